@@ -1,0 +1,144 @@
+"""`tandem bench`: speculative vs plain decoding on the demo models, in one run, as ratios.
+
+For each shipped demo model: tokens/s of the plain path and of every available draft (k = 2, 4),
+mean accepted length, with and without the task's JSON schema, relaxed acceptance on and off,
+batch 1 and 8; and `transformers`' own `generate` on the same weights (plain, and with prompt
+lookup, its n-gram speculation). Prompts are held-out demo-corpus chats. Greedy throughout, so
+every speculative run must reproduce the plain run's tokens (checked, reported as `exact`).
+One JSON object on the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from tandem.decoding.params import RelaxedAcceptance, SamplingParams
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", nargs="+", default=["demo-llama", "demo-deepseek"])
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per measurement")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--json", action="store_true", help="only the JSON line")
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.manual_seed(0)
+    report = {"benchmark": "tandem bench", "threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
+              "prompts": args.prompts, "models": {}}
+    for model in args.models:
+        report["models"][model] = _bench_model(model, args)
+    print(json.dumps(report))
+    return 0
+
+
+def _log(args: argparse.Namespace, message: str) -> None:
+    if not args.json:
+        print(message, flush=True)
+
+
+def _bench_model(model: str, args: argparse.Namespace) -> dict:
+    from tandem.demo.corpus import TASK_FAMILIES, generate_examples
+    from tandem.llm import LLM, available_drafts, resolve_model
+
+    path = resolve_model(model)
+    examples = generate_examples(args.prompts, seed=1, split="heldout")
+    results: list[dict] = []
+    plain_tokens: dict[tuple, list[list[int]]] = {}
+    for draft in [None, *available_drafts(path)]:
+        for k in args.k if draft else [0]:
+            for relaxed in ([None, RelaxedAcceptance()] if draft else [None]):
+                llm = LLM(model, draft, num_speculative_tokens=max(k, 1), relaxed=relaxed, max_num_seqs=max(args.batch))
+                prompts = [_prompt(llm.tokenizer, ex) for ex in examples]
+                for constrained in (False, True):
+                    for batch in args.batch:
+                        schemas = [TASK_FAMILIES[ex.family].schema if constrained else None for ex in examples]
+                        _measure(llm, prompts, schemas, batch, 4)  # warm-up; compiles (and caches) the schemas
+                        row = _measure(llm, prompts, schemas, batch, args.max_tokens)
+                        key = (constrained, batch)
+                        if draft is None:
+                            plain_tokens[key] = row.pop("tokens")
+                        else:
+                            tokens = row.pop("tokens")
+                            row["exact"] = relaxed is not None or tokens == plain_tokens[key]
+                        row.update(draft=draft or "none", k=k, relaxed=relaxed is not None, schema=constrained, batch=batch)
+                        results.append(row)
+                        _log(args, f"{model:14s} draft={row['draft']:7s} k={k} relaxed={row['relaxed']!s:5s} "
+                                   f"schema={constrained!s:5s} batch={batch}  {row['tokens_per_s']:8.1f} tok/s  "
+                                   f"accepted length {row['mean_accepted_length']:.2f}")
+    peers = _bench_transformers(path, examples, args)
+    for row in peers:
+        _log(args, f"{model:14s} transformers {row['mode']:13s} batch=1  {row['tokens_per_s']:8.1f} tok/s")
+    return {"runs": results, "transformers": peers, "ratios": _ratios(results, peers)}
+
+
+def _prompt(tokenizer, example) -> list[int]:
+    text = tokenizer.apply_chat_template(example.messages, tools=example.tools, add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _measure(llm, prompts: list[list[int]], schemas: list, batch: int, max_tokens: int) -> dict:
+    """Generate every prompt in groups of `batch` (one schema per prompt); time and count."""
+    engine = llm.engine
+    outputs = []
+    start = time.perf_counter()
+    for first in range(0, len(prompts), batch):
+        group = range(first, min(first + batch, len(prompts)))
+        ids = [engine.add_request(prompts[i], SamplingParams(max_tokens=max_tokens, json_schema=schemas[i]))
+               for i in group]
+        while engine.has_unfinished():
+            engine.step()
+        outputs.extend(engine.pop_finished(i) for i in ids)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outputs)
+    steps = sum(o.stats.steps for o in outputs)
+    accepted = sum(o.stats.accepted for o in outputs)
+    return {"tokens_per_s": round(generated / seconds, 2), "generated": generated, "seconds": round(seconds, 3),
+            "mean_accepted_length": round((accepted + steps) / max(steps, 1), 3),
+            "tokens": [o.token_ids for o in outputs]}
+
+
+def _bench_transformers(path, examples, args: argparse.Namespace) -> list[dict]:
+    """transformers' generate on the same weights, batch 1, greedy: plain and prompt lookup."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rows = []
+    for mode, extra in (("plain", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": max(args.k)})):
+        generated, start = 0, time.perf_counter()
+        for example in examples:
+            ids = torch.tensor([_prompt(tokenizer, example)])
+            with torch.inference_mode():
+                out = model.generate(ids, max_new_tokens=args.max_tokens, do_sample=False,
+                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **extra)
+            generated += out.shape[1] - ids.shape[1]
+        seconds = time.perf_counter() - start
+        rows.append({"mode": mode, "tokens_per_s": round(generated / seconds, 2), "generated": generated,
+                     "seconds": round(seconds, 3)})
+    return rows
+
+
+def _ratios(runs: list[dict], peers: list[dict]) -> dict:
+    """The headline ratios the issue asks for, at batch 1, greedy."""
+    def rate(**where):
+        rows = [r for r in runs if all(r[key] == value for key, value in where.items())]
+        return max((r["tokens_per_s"] for r in rows), default=None)
+
+    plain = rate(draft="none", schema=False, batch=1)
+    ratios = {"tandem_plain_vs_transformers_plain": round(plain / peers[0]["tokens_per_s"], 3)}
+    for draft in sorted({r["draft"] for r in runs} - {"none"}):
+        spec = rate(draft=draft, k=4, relaxed=False, schema=False, batch=1)
+        spec_schema = rate(draft=draft, k=4, relaxed=False, schema=True, batch=1)
+        if spec is not None:
+            ratios[f"{draft}_k4_vs_plain"] = round(spec / plain, 3)
+        if spec and spec_schema:
+            ratios[f"{draft}_k4_schema_vs_unconstrained"] = round(spec_schema / spec, 3)
+    return ratios

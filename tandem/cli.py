@@ -1,0 +1,44 @@
+"""The `tandem` command line.
+
+Each subcommand lives in the module that does its job; that module exposes
+`add_arguments(parser)` and `run(args) -> int`. This file only wires them up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Modules are imported only when their command runs.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("tandem.generate", "generate a reasoned answer for one prompt (demo model by default)"),
+    "bench": ("tandem.bench", "speculative vs plain decoding on the demo models (JSON)"),
+    "demo": ("tandem.decoding.demo", "run the acceptance pipeline on a synthetic mixed batch"),
+    "eval-schemas": ("tandem.grammars.evaluate", "check grammar backends against MaskBench schemas"),
+    "train-demo": ("tandem.demo.train", "train the small demo models shipped in tandem/assets"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # Parse the command name first, then let its module add its own options.
+    known, _ = parser.parse_known_args(argv[:1] or ["--help"])
+    module = importlib.import_module(known.module)
+    sub = argparse.ArgumentParser(prog=f"tandem {known.command}", description=COMMANDS[known.command][1])
+    module.add_arguments(sub)
+    return int(module.run(sub.parse_args(argv[1:])) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Speculative acceptance under grammar masks: greedy, lossless stochastic and relaxed.
+
+One call verifies every row's k drafts against the target's k+1 distributions.
+For row b and draft position j (0 <= j < k), with d_j the draft token:
+
+- p_j is the target distribution (sampling.py): logits, grammar mask, temperature, top-k,
+  top-p, min-p. A greedy row (temperature 0) has p_j = the point mass at the masked argmax.
+- q_j is the draft distribution: `draft_probs[b, j]`, or the point mass at d_j when the draft
+  is deterministic (`draft_probs=None`: EAGLE/MTP argmax drafts, n-gram).
+- **Lossless rule** (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+  Decoding"; Chen et al. 2023): accept d_j with probability min(1, p_j(d_j) / q_j(d_j)). At
+  the first rejection emit a sample of norm(max(p_j - q_j, 0)); if all k drafts are accepted,
+  emit a bonus sample of p_k. Every emitted token is then distributed exactly as sampling from
+  p. For a greedy row this reduces to: accept iff d_j == argmax p_j, emit the argmax.
+- **Relaxed rule** (only where `in_thinking[b, j]` and `relaxed` is given; TensorRT-LLM's):
+  also accept d_j when it ranks among the `relaxed.top_k` most likely tokens of
+  r_j = softmax(masked logits) -- no temperature, no filters; ties ranked by lower id first --
+  and r_j(d_j) >= max r_j - `relaxed.delta`. Otherwise the row's own rule decides, and its
+  rejection emits what that rule emits. top_k=1, delta=0 is exactly greedy.
+- **Padding**: a draft of PLACEHOLDER_TOKEN_ID (-1), or any id outside [0, V), is never
+  accepted and its position emits a plain sample of p_j: rows with fewer than k drafts (a new
+  row, an n-gram miss) pad with it and get exactly a plain sampling step there.
+- **Masks**: a draft the grammar forbids is always rejected; every
+  emitted token is allowed by its position's mask. A position whose mask allows nothing is a
+  *dead end*: its draft is rejected, nothing is emitted there (`PLACEHOLDER_TOKEN_ID`) and the
+  row's `dead_end` flag is set, so the engine can end the row with a clear reason.
+- **Randomness**: counter-based per row (rng.py): the acceptance test of position j uses
+  (seed, STREAM_ACCEPT, j), the emitted token (seed, STREAM_EMIT, 0). Same seed and inputs give
+  the same tokens whatever else is in the batch.
+
+The whole batch is processed with tensor ops (no Python loop over rows or positions); mixed
+batches of greedy, stochastic, relaxed, masked and unmasked rows go through one call.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from tandem.decoding.bitmask import bitmask_width, token_allowed
+from tandem.decoding.checks import FLOAT_DTYPES, check_tensor
+from tandem.decoding.params import RelaxedAcceptance, SamplingTensors
+from tandem.decoding.rng import STREAM_ACCEPT, STREAM_EMIT, uniform
+from tandem.decoding.sampling import (
+    PLACEHOLDER_TOKEN_ID,
+    check_sampling,
+    mask_logits,
+    sample_from_weights,
+    target_probs,
+)
+
+
+@dataclass(frozen=True)
+class AcceptanceResult:
+    """What `accept` decided for each row.
+
+    num_accepted: [B] int64 in 0..k, drafts accepted (a prefix of the row's drafts)
+    tokens:       [B, k+1] int64, the accepted drafts, then the one recovered/bonus token,
+                  then PLACEHOLDER_TOKEN_ID (-1)
+    dead_end:     [B] bool, the row stopped at a position whose mask allows no token; then
+                  tokens[b, num_accepted[b]] is PLACEHOLDER_TOKEN_ID and nothing was emitted there
+    """
+
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+    dead_end: torch.Tensor
+
+    @property
+    def num_emitted(self) -> torch.Tensor:
+        """[B] int64: tokens to commit per row (accepted drafts + the emitted token, if any)."""
+        return self.num_accepted + (~self.dead_end).long()
+
+
+def accept(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    *,
+    draft_probs: torch.Tensor | None = None,
+    sampling: SamplingTensors | None = None,
+    bitmask: torch.Tensor | None = None,
+    in_thinking: torch.Tensor | None = None,
+    relaxed: RelaxedAcceptance | None = None,
+    backend: str = "auto",
+) -> AcceptanceResult:
+    """Verify drafts against the target (module docstring states the rules).
+
+    target_logits: [B, k+1, V] float32/bfloat16/float16; position k is the bonus position
+    draft_tokens:  [B, k] int64
+    draft_probs:   [B, k, V] float, the draft distributions the drafts were sampled from,
+                   or None for deterministic drafts (one-hot q)
+    sampling:      per-row settings ([B]), or None = every row greedy
+    bitmask:       [B, k+1, ceil(V/32)] int32, row j = tokens allowed after the first j drafts,
+                   or None = no grammar
+    in_thinking:   [B, k+1] bool, positions where relaxed acceptance may apply, or None = none
+    relaxed:       the relaxed rule's parameters, or None = off
+    backend:       "torch" (this function), "triton" (tandem.kernels, fused; same contract, greedy
+                   and relaxed results identical, stochastic ones equal in distribution) or "auto"
+                   (Triton for CUDA tensors when triton is installed, torch otherwise)
+    Does not modify its inputs.
+    """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "triton" or (backend == "auto" and target_logits.is_cuda and _triton_available()):
+        from tandem.kernels import accept_triton  # imported late: it compiles kernels at import
+
+        return accept_triton(target_logits, draft_tokens, draft_probs=draft_probs, sampling=sampling,
+                             bitmask=bitmask, in_thinking=in_thinking, relaxed=relaxed)
+    check_accept_inputs(target_logits, draft_tokens, draft_probs, sampling, bitmask, in_thinking, relaxed)
+    batch, num_positions, vocab_size = target_logits.shape
+    k = num_positions - 1
+    masked, dead = mask_logits(target_logits, bitmask)  # [B, k+1, V], [B, k+1]
+
+    # A draft is eligible only if it is a real token, allowed by its mask, at a live position.
+    in_vocab = (draft_tokens >= 0) & (draft_tokens < vocab_size)
+    drafts = draft_tokens.clamp(0, vocab_size - 1)  # [B, k], safe to index with
+    eligible = in_vocab & ~dead[:, :k]
+    if bitmask is not None:
+        eligible &= token_allowed(bitmask[:, :k], drafts)
+
+    if sampling is None or sampling.all_greedy:
+        # Fast path, identical to the general one for greedy rows: p is a point mass.
+        argmax = masked.argmax(dim=-1)  # [B, k+1]
+        accepted = eligible & (drafts == argmax[:, :k])
+        probs = None
+    else:
+        flat = masked.flatten(0, 1)
+        probs = target_probs(flat, sampling.repeat_rows(num_positions)).view(batch, num_positions, vocab_size)
+        p_draft = probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [B, k]
+        q_draft = 1.0 if draft_probs is None else draft_probs.float().gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        u = uniform(sampling.seed, STREAM_ACCEPT, torch.arange(k, device=drafts.device))  # [B, k]
+        # u <= p/q without dividing; p > 0 so a q of 0 cannot accept a token p rules out.
+        accepted = eligible & (p_draft > 0) & (u * q_draft <= p_draft)
+
+    if relaxed is not None and in_thinking is not None:
+        accepted |= eligible & in_thinking[:, :k] & _relaxed_accepts(masked[:, :k], drafts, relaxed)
+
+    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B] length of the accepted prefix
+    at_stop = num_accepted.view(batch, 1)
+    if probs is None:
+        emitted = argmax.gather(1, at_stop).squeeze(1)
+    else:
+        emitted = _emit(probs, draft_probs, drafts, in_vocab, at_stop, sampling.seed)
+    dead_end = dead.gather(1, at_stop).squeeze(1)
+    emitted = emitted.masked_fill(dead_end, PLACEHOLDER_TOKEN_ID)
+
+    positions = torch.arange(num_positions, device=drafts.device)
+    padded_drafts = torch.cat([drafts, drafts.new_full((batch, 1), PLACEHOLDER_TOKEN_ID)], dim=1)
+    tokens = torch.where(positions < at_stop, padded_drafts, PLACEHOLDER_TOKEN_ID)
+    tokens = torch.where(positions == at_stop, emitted.unsqueeze(1), tokens)
+    return AcceptanceResult(num_accepted=num_accepted, tokens=tokens, dead_end=dead_end)
+
+
+def _relaxed_accepts(masked: torch.Tensor, drafts: torch.Tensor, relaxed: RelaxedAcceptance) -> torch.Tensor:
+    """The relaxed rule alone (eligibility is checked by the caller).
+
+    masked: [B, k, V] float32 masked logits; drafts: [B, k] int64 -> [B, k] bool
+    """
+    probs = masked.softmax(dim=-1)
+    p_draft = probs.gather(-1, drafts.unsqueeze(-1))  # [B, k, 1]
+    ids = torch.arange(masked.shape[-1], device=drafts.device)
+    ahead = (probs > p_draft) | ((probs == p_draft) & (ids < drafts.unsqueeze(-1)))
+    rank = ahead.sum(dim=-1)  # tokens ranked before the draft, ties by lower id
+    close = p_draft.squeeze(-1) >= probs.amax(dim=-1) - relaxed.delta
+    return (rank < relaxed.top_k) & close
+
+
+def _emit(
+    probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    drafts: torch.Tensor,
+    in_vocab: torch.Tensor,
+    at_stop: torch.Tensor,
+    seed: torch.Tensor,
+) -> torch.Tensor:
+    """The token emitted at each row's stop position n: a sample of norm(max(p_n - q_n, 0))
+    if n < k (rejection), of p_k if n == k (bonus).
+
+    probs: [B, k+1, V]; draft_probs: [B, k, V] or None; drafts, in_vocab: [B, k];
+    at_stop: [B, 1] int64 = n; seed: [B] int64  ->  [B] int64
+    """
+    batch, num_positions, vocab_size = probs.shape
+    k = num_positions - 1
+    rejected = at_stop < k  # [B, 1]; False: the bonus position, where q is 0
+    draft_pos = at_stop.clamp(max=max(k - 1, 0))
+    p = probs.gather(1, at_stop.unsqueeze(-1).expand(batch, 1, vocab_size)).squeeze(1)  # [B, V]
+    if k == 0:
+        residual = p
+    elif draft_probs is None:
+        # q is one-hot at the draft: max(p - q, 0) is p with the draft's entry zeroed.
+        drafted = drafts.gather(1, draft_pos)
+        zero_it = rejected & in_vocab.gather(1, draft_pos)
+        residual = p.scatter(-1, drafted, torch.where(zero_it, 0.0, p.gather(-1, drafted)))
+    else:
+        q = draft_probs.float().gather(1, draft_pos.unsqueeze(-1).expand(batch, 1, vocab_size)).squeeze(1)
+        # Only a real draft was sampled from q: a padded position (-1) is a plain sample of p.
+        drafted = rejected & in_vocab.gather(1, draft_pos)
+        residual = (p - q * drafted).clamp_(min=0.0)
+    # p == q leaves no residual mass; rejection then had probability 0, so any p-sample is right.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+    u = uniform(seed, STREAM_EMIT, torch.zeros(1, dtype=torch.int64, device=seed.device)).squeeze(1)
+    return sample_from_weights(residual, u)
+
+
+def check_accept_inputs(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sampling: SamplingTensors | None,
+    bitmask: torch.Tensor | None,
+    in_thinking: torch.Tensor | None,
+    relaxed: RelaxedAcceptance | None,
+) -> None:
+    check_tensor("target_logits", target_logits, (None, None, None), FLOAT_DTYPES)
+    batch, num_positions, vocab_size = target_logits.shape
+    if num_positions < 1:
+        raise ValueError("target_logits must have k+1 >= 1 positions, got 0")
+    if vocab_size < 1:
+        raise ValueError("target_logits must have a vocabulary of V >= 1 tokens, got 0")
+    k = num_positions - 1
+    device = target_logits.device
+    check_tensor("draft_tokens", draft_tokens, (batch, k), (torch.int64,), device)
+    if draft_probs is not None:
+        check_tensor("draft_probs", draft_probs, (batch, k, vocab_size), FLOAT_DTYPES, device)
+    if bitmask is not None:
+        check_tensor("bitmask", bitmask, (batch, num_positions, bitmask_width(vocab_size)), (torch.int32,), device)
+    if in_thinking is not None:
+        check_tensor("in_thinking", in_thinking, (batch, num_positions), (torch.bool,), device)
+    if relaxed is not None and not isinstance(relaxed, RelaxedAcceptance):
+        raise ValueError(f"relaxed must be a RelaxedAcceptance or None, got {type(relaxed).__name__}")
+    check_sampling(sampling, batch, device)
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

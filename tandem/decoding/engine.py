@@ -1,0 +1,374 @@
+"""The engine: requests, continuous batching and the unified speculative step.
+
+One `step()` runs, for every running row (DESIGN.md, "The speculative step"):
+
+1. merge   per row, the tokens to verify: a new row feeds its whole prompt (no drafts); a
+           running row feeds [t_last, d_0 .. d_{k_b-1}] at positions L-1 .. L-1+k_b
+2. verify  one ragged target forward; logits at each row's k_b+1 verify positions
+3. masks   per-position grammar bitmasks and thinking phases for the draft window
+4. accept  `decoding.accept`; rows with k_b < k pad their drafts with -1 (a plain step there)
+5. commit  accepted drafts + the emitted token, cut by max_tokens / EOS / stop strings /
+           grammar termination; KV caches truncated to the committed length
+6. propose the draft reads the target's hidden states at the committed positions
+
+Cache invariant: a row's target KV cache holds positions 0 .. len(tokens) - 2; its last
+committed token is always fed again as t_last by the next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.decoding.acceptance import accept
+from tandem.decoding.output import RequestOutput, StreamDelta, TextAssembler
+from tandem.decoding.params import RelaxedAcceptance, SamplingParams, batch_sampling
+from tandem.decoding.rng import derive_seeds
+from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
+from tandem.grammars.compiler import CompileJob, GrammarCompiler
+from tandem.grammars.errors import GrammarError
+from tandem.grammars.masks import SpeculativeMasker
+from tandem.grammars.spec import GrammarSpec
+from tandem.grammars.tokenizer import GrammarTokenizer
+from tandem.grammars.thinking import ThinkingMarkers, ThinkingTracker
+from tandem.models.base import DraftInput, ForwardBatch
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that leaves no room to generate within the engine's context length."""
+
+
+@dataclass
+class EngineConfig:
+    num_speculative_tokens: int = 4
+    max_num_seqs: int = 8  # rows decoded together; also the number of KV-cache slots
+    max_model_len: int = 1024  # tokens per row (prompt + generated), the size of one slot
+    relaxed: RelaxedAcceptance | None = None  # relaxed acceptance inside <think>…</think>
+    grammar_backend: str = "auto"  # xgrammar | llguidance | outlines | auto
+    grammar_timeout_s: float = 30.0  # a grammar still compiling after this fails its request
+
+
+@dataclass
+class _Request:
+    """Engine-side state of one request."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    text: TextAssembler
+    grammar_job: CompileJob | None = None  # the request's grammar, compiling off the step loop
+    tokens: list[int] = field(default_factory=list)  # prompt + committed output
+    drafts: list[int] = field(default_factory=list)  # pending drafts for the next verify
+    draft_probs: torch.Tensor | None = None  # [len(drafts), V] or None (deterministic)
+    slot: int = -1
+    output: RequestOutput | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def is_new(self) -> bool:
+        return self.num_generated == 0
+
+
+class Engine:
+    """Continuous-batching speculative engine over one target and an optional draft.
+
+    `draft=None` is the plain path: the same step with k = 0.
+    """
+
+    def __init__(self, target, draft, tokenizer, config: EngineConfig) -> None:
+        self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
+        self.k = config.num_speculative_tokens if draft is not None else 0
+        self.grammar_tokenizer = GrammarTokenizer(tokenizer, target.vocab_size)
+        self.compiler = GrammarCompiler(timeout_s=config.grammar_timeout_s)
+        self._eos = _eos_ids(tokenizer)
+        self.masker = SpeculativeMasker(target.vocab_size, len(tokenizer), end_token_ids=sorted(self._eos))
+        self._bitmask = torch.zeros(config.max_num_seqs, self.k + 1, self.masker.width, dtype=torch.int32)
+        self._in_thinking = torch.zeros(config.max_num_seqs, self.k + 1, dtype=torch.bool)
+        self.device = next(iter(target.parameters())).device if hasattr(target, "parameters") else torch.device("cpu")
+        self.target_cache = target.new_cache(config.max_num_seqs, config.max_model_len)
+        self.draft_cache = draft.new_cache(config.max_num_seqs, config.max_model_len) if draft is not None else None
+        self._free_slots = list(range(config.max_num_seqs))
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._finished: dict[str, RequestOutput] = {}
+        self._ids = itertools.count()
+        self._markers = _thinking_markers(tokenizer)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request; raises PromptTooLongError (nothing is queued) if it cannot fit."""
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one token")
+        room = self.config.max_model_len - len(prompt) - self.k - 1
+        if room < 1:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt)} tokens; the context is {self.config.max_model_len} tokens "
+                f"({self.k + 1} reserved for speculation), so nothing can be generated")
+        request_id = request_id or f"req-{next(self._ids)}"
+        request = _Request(
+            request_id=request_id,
+            prompt=list(prompt),
+            params=params,
+            seed=params.seed if params.seed is not None else random.getrandbits(62),
+            text=TextAssembler(self.tokenizer, eos_token_ids=self._eos | set(params.stop_token_ids or ()),
+                               tracker=self._tracker(prompt),
+                               stop=params.stop_strings),
+            grammar_job=self.compile_grammar(params),
+            tokens=list(prompt),
+        )
+        request.output = RequestOutput(request_id=request_id, prompt_token_ids=list(prompt))
+        self._waiting.append(request)
+        return request_id
+
+    def compile_grammar(self, params: SamplingParams) -> CompileJob | None:
+        """Start compiling the request's grammar (cached); raises InvalidGrammarSpec at once for a bad spec."""
+        spec = grammar_spec(params)
+        return None if spec is None else self.compiler.submit(spec, self.grammar_tokenizer, self.config.grammar_backend)
+
+    def _tracker(self, prompt: list[int]) -> ThinkingTracker | None:
+        return None if self._markers is None else ThinkingTracker(self._markers, prompt)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request, waiting or running; its slot is free for the next step."""
+        for queue in (self._waiting, self._running):
+            for request in queue:
+                if request.request_id == request_id:
+                    self._finish(request, "abort")
+                    queue.remove(request)
+                    return
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # ---------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def step(self) -> list[StreamDelta]:
+        """One unified step over all running rows; returns what each touched request gained."""
+        self._admit()
+        rows = list(self._running)
+        if not rows:
+            if self._waiting:  # only grammars still compiling: yield the CPU to their workers
+                time.sleep(0.001)
+            return []
+        k = self.k
+        batch, verify_counts, logit_index = self._merge(rows)
+        want_hidden = self.draft is not None and self.draft.hidden_kind is not None
+        out = self.target.forward(batch, self.target_cache,
+                                  return_hidden=want_hidden and self.draft.hidden_kind == "last",
+                                  return_aux=want_hidden and self.draft.hidden_kind == "aux")
+        logits = out.logits.view(len(rows), k + 1, -1)
+        drafts = torch.tensor([r.drafts + [PLACEHOLDER_TOKEN_ID] * (k - len(r.drafts)) for r in rows],
+                              dtype=torch.int64, device=logits.device).view(len(rows), k)
+        bitmask, in_thinking = self._masks(rows, drafts)
+        seeds = derive_seeds(torch.tensor([r.seed for r in rows]), torch.tensor([r.num_generated for r in rows]))
+        result = accept(
+            logits, drafts,
+            draft_probs=self._draft_probs(rows, logits.shape[-1]),
+            sampling=batch_sampling([r.params for r in rows], seeds, logits.device),
+            bitmask=bitmask,
+            in_thinking=in_thinking,
+            relaxed=self.config.relaxed,
+        )
+        deltas = self._commit(rows, result)
+        if self.draft is not None:
+            self._propose([r for r in rows if r.output.finish_reason is None], rows, out, batch, verify_counts)
+        return deltas
+
+    def _admit(self) -> None:
+        """Move waiting requests whose grammar is ready into free slots, in arrival order
+        (a request still compiling does not hold back the ones behind it)."""
+        for request in list(self._waiting):
+            if not self._free_slots:
+                return
+            job = request.grammar_job
+            if job is not None and not job.done():
+                continue
+            self._waiting.remove(request)
+            try:
+                matcher = None if job is None else job.result().new_matcher()
+            except GrammarError as error:
+                request.output.error = str(error)
+                request.output.finish_reason = "error"
+                self._finished[request.request_id] = request.output
+                continue
+            self.masker.add_row(request.request_id, matcher, self._tracker(request.prompt))
+            request.slot = self._free_slots.pop(0)
+            self.target_cache.reset(torch.tensor([request.slot]))
+            self._running.append(request)
+
+    def _merge(self, rows: list[_Request]) -> tuple[ForwardBatch, list[int], torch.Tensor]:
+        """The ragged verify batch: ids, positions, offsets, slots and the logit rows to keep."""
+        ids, positions, offsets, logit_index, verify_counts = [], [], [0], [], []
+        for r in rows:
+            if r.is_new:
+                feed, start = r.tokens, 0
+            else:
+                feed, start = [r.tokens[-1], *r.drafts], len(r.tokens) - 1
+            base = offsets[-1]
+            ids.extend(feed)
+            positions.extend(range(start, start + len(feed)))
+            offsets.append(base + len(feed))
+            verify_counts.append(len(feed))
+            first_logit = base + len(feed) - 1 - len(r.drafts)  # the position of t_last
+            logit_index.extend(first_logit + min(j, len(r.drafts)) for j in range(self.k + 1))
+        device = self.device
+        logit_index_t = torch.tensor(logit_index, dtype=torch.int64, device=device)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            row_offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
+            slots=torch.tensor([r.slot for r in rows], dtype=torch.int64, device=device),
+            logits_indices=logit_index_t,
+        )
+        return batch, verify_counts, logit_index_t
+
+    def _masks(self, rows: list[_Request], drafts: torch.Tensor):
+        """Grammar bitmasks [B, k+1, W] (None when no row has a grammar) and thinking phases
+        [B, k+1] (None when relaxed acceptance is off)."""
+        any_grammar = any(self.masker.row(r.request_id).matcher is not None for r in rows)
+        if not any_grammar and (self.config.relaxed is None or self._markers is None):
+            return None, None
+        batch = len(rows)
+        self.masker.fill([r.request_id for r in rows], drafts.cpu(), self._bitmask, self._in_thinking)
+        bitmask = self._bitmask[:batch].to(drafts.device, non_blocking=True) if any_grammar else None
+        in_thinking = self._in_thinking[:batch].to(drafts.device) if self.config.relaxed is not None else None
+        return bitmask, in_thinking
+
+    def _draft_probs(self, rows, vocab_size):
+        if all(r.draft_probs is None for r in rows):
+            return None
+        probs = torch.zeros(len(rows), self.k, vocab_size, device=self.device)
+        for b, r in enumerate(rows):
+            if r.draft_probs is not None:
+                probs[b, : len(r.drafts)] = r.draft_probs
+        return probs
+
+    def _commit(self, rows: list[_Request], result) -> list[StreamDelta]:
+        deltas = []
+        emitted_counts = result.num_emitted.tolist()
+        accepted_counts = result.num_accepted.tolist()
+        tokens = result.tokens.tolist()
+        dead_ends = result.dead_end.tolist()
+        for b, r in enumerate(rows):
+            remaining = r.params.max_tokens - r.num_generated
+            emitted = tokens[b][: emitted_counts[b]][:remaining]
+            consumed = r.text.add(emitted)
+            emitted = emitted[:consumed]
+            self.masker.commit(r.request_id, emitted)
+            r.tokens.extend(emitted)
+            stats = r.output.stats
+            stats.steps += 1
+            stats.drafted += len(r.drafts)
+            stats.accepted += min(accepted_counts[b], len(emitted))
+            r.drafts, r.draft_probs = [], None
+            self.target_cache.truncate(torch.tensor([r.slot]), torch.tensor([len(r.tokens) - 1]))
+            reason = None
+            if r.text.stopped_by is not None or self.masker.is_terminated(r.request_id):
+                reason = "stop"
+            elif dead_ends[b] and consumed == len(tokens[b][: emitted_counts[b]]):
+                reason = "grammar_dead_end"
+            elif r.num_generated >= r.params.max_tokens or len(r.tokens) + self.k + 1 > self.config.max_model_len:
+                reason = "length"
+            deltas.append(self._delta(r, emitted, reason))
+            if reason is not None:
+                self._finish(r, reason)
+                self._running.remove(r)
+        return deltas
+
+    def _propose(self, live, rows, out, batch, verify_counts) -> None:
+        """Give each live row's newly committed tokens and their hidden states to the draft."""
+        if not live:
+            return
+        index = {id(r): b for b, r in enumerate(rows)}
+        hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
+        offsets = batch.row_offsets.tolist()
+        ids, positions, row_offsets, hidden_rows, histories = [], [], [0], [], []
+        for r in live:
+            b = index[id(r)]
+            first_position = int(batch.positions[offsets[b]])
+            new_tokens = r.tokens[first_position + 1:]  # paired with the hidden state before each
+            ids.extend(new_tokens)
+            positions.extend(range(first_position + 1, first_position + 1 + len(new_tokens)))
+            row_offsets.append(row_offsets[-1] + len(new_tokens))
+            hidden_rows.extend(range(offsets[b], offsets[b] + len(new_tokens)))
+            histories.append(torch.tensor(r.tokens, dtype=torch.int64))
+        device = self.device
+        slots = torch.tensor([r.slot for r in live], dtype=torch.int64, device=device)
+        draft_batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            row_offsets=torch.tensor(row_offsets, dtype=torch.int64, device=device),
+            slots=slots,
+        )
+        hidden = None if hidden_all is None else hidden_all[torch.tensor(hidden_rows, device=device)]
+        if self.draft_cache is not None:
+            self.draft_cache.truncate(slots, draft_batch.positions[draft_batch.row_offsets[:-1]])
+        proposal = self.draft.propose(DraftInput(batch=draft_batch, hidden=hidden, history=histories),
+                                      self.draft_cache, self.k)
+        for b, r in enumerate(live):
+            budget = min(r.params.max_tokens - r.num_generated - 1, self.config.max_model_len - len(r.tokens) - 1, self.k)
+            drafts = proposal.tokens[b, : max(budget, 0)].tolist()
+            if PLACEHOLDER_TOKEN_ID in drafts:  # a draft with fewer proposals (n-gram miss)
+                drafts = drafts[: drafts.index(PLACEHOLDER_TOKEN_ID)]
+            r.drafts = drafts
+            r.draft_probs = None if proposal.probs is None else proposal.probs[b, : len(drafts)]
+
+    # ---------------------------------------------------------------- outputs
+    def _delta(self, r: _Request, emitted: list[int], reason: str | None) -> StreamDelta:
+        reasoning, text = r.text.streamable() if reason is None else (r.text.reasoning, r.text.text)
+        out = r.output
+        delta = StreamDelta(r.request_id, text=text[len(out.text):], reasoning=reasoning[len(out.reasoning):],
+                            token_ids=emitted, finish_reason=reason)
+        out.text, out.reasoning = text, reasoning
+        out.token_ids.extend(emitted)
+        return delta
+
+    def _finish(self, r: _Request, reason: str) -> None:
+        r.output.finish_reason = reason
+        r.output.text, r.output.reasoning = r.text.text, r.text.reasoning
+        self._finished[r.request_id] = r.output
+        if r.slot >= 0:
+            self.masker.remove_row(r.request_id)
+            self._free_slots.append(r.slot)
+            r.slot = -1
+
+    def pop_finished(self, request_id: str) -> RequestOutput | None:
+        """The output of a finished request, handed over once (None while it runs)."""
+        return self._finished.pop(request_id, None)
+
+
+def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
+    """The request's constraint as a GrammarSpec; `grammar` is GBNF/EBNF if it has `::=`, else Lark."""
+    if params.json_schema is not None:
+        return GrammarSpec.json_schema(params.json_schema)
+    if params.regex is not None:
+        return GrammarSpec.regex(params.regex)
+    if params.choice is not None:
+        return GrammarSpec.choice(params.choice)
+    if params.grammar is not None:
+        return GrammarSpec.ebnf(params.grammar) if "::=" in params.grammar else GrammarSpec.lark(params.grammar)
+    return None
+
+
+def _eos_ids(tokenizer) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    generation_eos = getattr(getattr(tokenizer, "generation_config", None), "eos_token_id", None)
+    if isinstance(generation_eos, int):
+        ids.add(generation_eos)
+    return ids
+
+
+def _thinking_markers(tokenizer) -> ThinkingMarkers | None:
+    """The tokenizer's `<think>` / `</think>` ids, or None if it has no such single tokens."""
+    try:
+        return ThinkingMarkers.from_tokenizer(tokenizer)
+    except ValueError:
+        return None

@@ -1,0 +1,174 @@
+"""The target distribution of one position, and plain (non-speculative) sampling from it.
+
+The target distribution at a position is the model's logits, then the grammar mask (forbidden
+tokens get -inf), then temperature, top-k, top-p and min-p, in that order:
+
+- temperature 0: the point mass at the masked argmax (lowest id among ties); filters are moot.
+- top-k (0 = off): keep tokens whose logit is >= the k-th largest (ties at the boundary kept).
+- top-p (1 = off): keep the smallest most-likely-first prefix (stable order, lowest id first
+  among ties) whose probability, renormalised after top-k, reaches top_p.
+- min-p (0 = off): keep tokens with p >= min_p * p(top1).
+
+Every filter keeps the top token, so a position has an empty support only when its mask
+allows no token (or every allowed logit is -inf): a *dead end*. Dead ends emit
+`PLACEHOLDER_TOKEN_ID` instead of a token; the engine ends such a row.
+
+`accept` (acceptance.py) uses exactly these functions; `sample` is the k = 0 case.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.decoding.bitmask import bitmask_width, unpack_bitmask
+from tandem.decoding.checks import FLOAT_DTYPES, check_tensor
+from tandem.decoding.params import SamplingTensors
+from tandem.decoding.rng import STREAM_EMIT, uniform
+
+PLACEHOLDER_TOKEN_ID = -1  # no token: past the emitted one, or at a dead end
+
+
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply a grammar bitmask; find dead ends.
+
+    logits:  [..., V] float (any float dtype; computed in float32)
+    bitmask: [..., W] int32 or None (all allowed)
+    returns: masked [..., V] float32 with forbidden tokens at -inf, except that dead-end
+             rows are all zeros (so later math stays finite; their output is discarded);
+             dead [...] bool, True where no token is allowed.
+    """
+    masked = logits.float()
+    if bitmask is not None:
+        masked = masked.masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
+    dead = masked.amax(dim=-1) == float("-inf")
+    return masked.masked_fill(dead.unsqueeze(-1), 0.0), dead
+
+
+def target_probs(masked: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+    """The target distribution p of each row (module docstring), from masked logits.
+
+    masked:   [N, V] float32, from `mask_logits`
+    sampling: per-row settings with batch size N
+    returns:  [N, V] float32, rows sum to 1; greedy rows are one-hot at the argmax
+    """
+    greedy = sampling.temperature == 0
+    logits = masked / torch.where(greedy, 1.0, sampling.temperature).unsqueeze(-1)
+    if sampling.any_top_k_top_p:
+        logits = _top_k_top_p(logits, sampling.top_k, sampling.top_p, sampling.max_top_k)
+    if sampling.any_min_p:
+        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p); min_p = 0 keeps all.
+        threshold = logits.amax(dim=-1, keepdim=True) + sampling.min_p.log().unsqueeze(-1)
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if sampling.any_greedy:
+        point_mass = torch.zeros_like(probs).scatter_(-1, masked.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.unsqueeze(-1), point_mass, probs)
+    return probs
+
+
+# Top-k/top-p look at this many most likely tokens per row instead of sorting the whole
+# vocabulary; rows whose cut the candidates cannot decide exactly fall back to a full sort.
+TOP_P_CANDIDATES = 1024
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Top-k then top-p with per-row k and p.
+
+    logits: [N, V] float32; top_k: [N] int64 (0 = off); top_p: [N] float32 (1 = off);
+    max_top_k: the largest top_k in the batch  ->  [N, V] with removed tokens at -inf
+    """
+    vocab_size = logits.shape[-1]
+    num_candidates = min(vocab_size, max(TOP_P_CANDIDATES, max_top_k))
+    values, ids = _sorted_candidates(logits, num_candidates)  # [N, C], most likely first
+    kth = values.gather(-1, (top_k.clamp(1, num_candidates) - 1).unsqueeze(-1))
+    kth = kth.masked_fill((top_k == 0).unsqueeze(-1), float("-inf"))  # [N, 1], top-k's threshold
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+
+    # Top-p over the candidates, normalised over the whole (top-k filtered) row.
+    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp().masked_fill(values < kth, 0.0)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep = (mass_before < top_p.unsqueeze(-1)) | (top_p >= 1).unsqueeze(-1)
+    last_kept = values.gather(-1, keep.sum(dim=-1, keepdim=True) - 1).squeeze(-1)
+    # Exact when the cut falls strictly above the least likely candidate: every token before
+    # the cut is then a candidate, in the right order.
+    decided = (top_p >= 1) | (num_candidates == vocab_size) | (
+        (mass_before[:, -1] + probs[:, -1] >= top_p) & (last_kept > values[:, -1])
+    )
+    remove = torch.ones_like(logits, dtype=torch.bool).scatter_(-1, ids, ~keep)
+    remove &= (decided & (top_p < 1)).unsqueeze(-1)
+    logits = logits.masked_fill(remove, float("-inf"))
+    undecided = (~decided).nonzero().squeeze(-1)
+    if undecided.numel():
+        full_values, full_ids = _sorted_candidates(logits[undecided], vocab_size)
+        full_probs = full_values.softmax(dim=-1)
+        full_keep = (full_probs.cumsum(dim=-1) - full_probs) < top_p[undecided].unsqueeze(-1)
+        full_remove = torch.empty_like(full_keep).scatter_(-1, full_ids, ~full_keep)
+        logits[undecided] = logits[undecided].masked_fill(full_remove, float("-inf"))
+    return logits
+
+
+def _sorted_candidates(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` largest logits per row, ordered by value descending, then id ascending.
+
+    logits: [N, V]  ->  values [N, count] float32, ids [N, count] int64
+    """
+    if count == logits.shape[-1]:
+        return logits.sort(dim=-1, descending=True, stable=True)  # stable: ids ascending among ties
+    values, ids = logits.topk(count, dim=-1)
+    by_id = ids.argsort(dim=-1)
+    values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
+    by_value = values.argsort(dim=-1, descending=True, stable=True)
+    return values.gather(-1, by_value), ids.gather(-1, by_value)
+
+
+def check_sampling(sampling: SamplingTensors | None, batch: int, device: torch.device) -> None:
+    """Raise ValueError unless `sampling` is None or has `batch` rows on `device`."""
+    if sampling is None:
+        return
+    if not isinstance(sampling, SamplingTensors):
+        raise ValueError(f"sampling must be a SamplingTensors or None, got {type(sampling).__name__}")
+    if sampling.batch_size != batch:
+        raise ValueError(f"sampling has {sampling.batch_size} rows, the logits have {batch}")
+    if sampling.device != device:
+        raise ValueError(f"sampling is on {sampling.device}, expected {device} like the logits")
+
+
+def sample_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one token per row, with probability proportional to its weight.
+
+    weights: [N, V] non-negative float, each row with positive total
+    u:       [N] float in (0, 1]
+    returns: [N] int64. A token of weight 0 is never returned: the first index whose
+             running sum reaches u * total > 0 must have added a positive weight.
+    """
+    cdf = weights.double().cumsum(dim=-1)
+    target = u.double() * cdf[:, -1]
+    return torch.searchsorted(cdf, target.unsqueeze(-1)).squeeze(-1).clamp_(max=weights.shape[-1] - 1)
+
+
+def sample(
+    logits: torch.Tensor,
+    sampling: SamplingTensors | None = None,
+    bitmask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token per row from the target distribution (module docstring).
+
+    logits:   [B, V] float32/bfloat16/float16
+    sampling: per-row settings, or None = every row greedy
+    bitmask:  [B, ceil(V/32)] int32 (1 = allowed), or None = no grammar
+    returns:  [B] int64; PLACEHOLDER_TOKEN_ID (-1) for a row whose mask allows nothing.
+    Draws use the row's seed on stream STREAM_EMIT, counter 0, exactly as `accept` does for the
+    token it emits, so `sample(logits)` equals `accept(logits[:, None], <no drafts>)` token for token.
+    """
+    check_tensor("logits", logits, (None, None), FLOAT_DTYPES)
+    batch, vocab_size = logits.shape
+    if bitmask is not None:
+        check_tensor("bitmask", bitmask, (batch, bitmask_width(vocab_size)), (torch.int32,), logits.device)
+    check_sampling(sampling, batch, logits.device)
+    masked, dead = mask_logits(logits, bitmask)
+    if sampling is None or sampling.all_greedy:
+        tokens = masked.argmax(dim=-1)
+    else:
+        u = uniform(sampling.seed, STREAM_EMIT, torch.zeros(1, dtype=torch.int64, device=logits.device))
+        tokens = sample_from_weights(target_probs(masked, sampling), u.squeeze(-1))
+    return tokens.masked_fill(dead, PLACEHOLDER_TOKEN_ID)

@@ -1,0 +1,254 @@
+"""`tandem train-demo`: build the tokenizer and train the demo targets shipped in `tandem/assets/`.
+
+Stages, each reproducible from its seed: the tokenizer (`tokenizer/`), then the targets with
+transformers' own `LlamaForCausalLM` (`demo-llama/`) and `DeepseekV3ForCausalLM` (`demo-deepseek/`,
+MLA + MoE). A target trains on an endless stream of corpus chats with the loss on the assistant
+turn only (reasoning, `</think>`, answer, `<|eot_id|>`), then is saved with `save_pretrained`
+(safetensors, bf16 when its greedy predictions agree with fp32, else fp32) beside the tokenizer
+files and `tandem_demo.json` (corpus seed and settings, losses, held-out check, wall time).
+`iter_batches` is the data path any later stage (draft heads) reuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from tqdm import tqdm
+from transformers import (AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup)
+
+from tandem.assets import ASSETS_DIR
+from tandem.demo.corpus import Example, iter_examples
+from tandem.demo.evaluate import evaluate_heldout, prompt_text
+from tandem.demo.tokenizer import DEFAULT_VOCAB_SIZE, save_tokenizer, train_tokenizer
+
+IGNORE_INDEX = -100  # label of tokens without loss (prompt, padding)
+SETTINGS_FILE = "tandem_demo.json"
+BF16_MIN_AGREEMENT = 0.99  # greedy teacher-forced agreement bf16 vs fp32 needed to ship bf16
+
+# Model shapes per size. "demo" is what ships; "tiny" is for tests and smoke runs.
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "demo": {
+        "tokenizer": {"num_examples": 20_000, "vocab_size": DEFAULT_VOCAB_SIZE},
+        "llama": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+                  "num_attention_heads": 8, "num_key_value_heads": 2},
+        "deepseek": {"hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 128,
+                     "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+                     "q_lora_rank": 128, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+                     "v_head_dim": 32, "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
+                     "num_experts_per_tok": 2},
+    },
+    "tiny": {
+        "tokenizer": {"num_examples": 1_000, "vocab_size": 512},
+        "llama": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2},
+        "deepseek": {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+                     "v_head_dim": 8, "n_routed_experts": 4, "n_group": 2, "topk_group": 1,
+                     "num_experts_per_tok": 2},
+    },
+}
+TARGETS = {"llama": "demo-llama", "deepseek": "demo-deepseek"}
+DEFAULT_STEPS = {"llama": 400, "deepseek": 300}  # what the shipped targets trained for (~8 min each, 1 thread)
+
+
+@dataclass
+class TrainSettings:
+    """Everything that decides a trained target, saved into its directory."""
+
+    steps: int
+    batch_size: int = 8
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    seed: int = 0  # model init and corpus stream (split "train"); held-out check uses split "heldout"
+    size: str = "demo"
+    eval_examples: int = 30
+
+
+def target_config(kind: str, tokenizer: PreTrainedTokenizerBase, size: str = "demo") -> PretrainedConfig:
+    """The HF config of the demo target `kind` ("llama" | "deepseek"), with the tokenizer's special ids."""
+    ids = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+           "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+           "tie_word_embeddings": False}
+    if kind == "llama":  # Llama 3.1's RoPE (theta 500000, llama3 scaling by 8), at 1/8 of its context
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+        return LlamaConfig(**SIZES[size]["llama"], **ids, max_position_embeddings=8192, rope_parameters=rope,
+                           rms_norm_eps=1e-5)
+    if kind == "deepseek":  # first layer dense, then MoE: routed experts in groups + 1 shared expert
+        return DeepseekV3Config(**SIZES[size]["deepseek"], **ids, max_position_embeddings=4096,
+                                n_shared_experts=1, first_k_dense_replace=1,
+                                routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0)
+    raise ValueError(f"unknown target {kind!r}; expected one of {sorted(TARGETS)}")
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, example: Example) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one chat: prompt tokens (up to `<think>\\n`) get IGNORE_INDEX labels.
+
+    Prompt and completion are encoded separately, exactly as generation sees them.
+    """
+    prompt = prompt_text(tokenizer, example)
+    full = tokenizer.apply_chat_template(example.chat(), tools=example.tools, tokenize=False)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    completion_ids = tokenizer.encode(full[len(prompt):], add_special_tokens=False)
+    return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
+
+
+def iter_batches(tokenizer: PreTrainedTokenizerBase, batch_size: int, seed: int, split: str = "train",
+                 bucket: int = 8) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless right-padded batches: input_ids, labels, attention_mask, each [B, T] int64.
+
+    Chats are drawn `bucket` batches at a time and grouped by length (less padding); the
+    batches of a bucket come out in a seeded random order.
+    """
+    examples, order = iter_examples(seed, split), random.Random(seed)
+    while True:
+        pool = sorted((encode_chat(tokenizer, next(examples)) for _ in range(batch_size * bucket)), key=lambda r: len(r[0]))
+        groups = [pool[i:i + batch_size] for i in range(0, len(pool), batch_size)]
+        order.shuffle(groups)
+        yield from (_pad_batch(rows, tokenizer.pad_token_id) for rows in groups)
+
+
+def _pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    batch_size, width = len(rows), max(len(ids) for ids, _ in rows)
+    batch = {name: torch.full((batch_size, width), fill, dtype=torch.long)
+             for name, fill in [("input_ids", pad_id), ("labels", IGNORE_INDEX), ("attention_mask", 0)]}
+    for row, (ids, labels) in enumerate(rows):
+        batch["input_ids"][row, : len(ids)] = torch.tensor(ids)
+        batch["labels"][row, : len(ids)] = torch.tensor(labels)
+        batch["attention_mask"][row, : len(ids)] = 1
+    return batch
+
+
+def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The HF model's own next-token loss on `batch` (labels included)."""
+    return model(**batch).loss
+
+
+def train_model(model: torch.nn.Module, batches: Iterator[dict[str, torch.Tensor]], settings: TrainSettings,
+                desc: str, loss_fn: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor] = causal_lm_loss,
+                ) -> list[float]:
+    """AdamW with warmup + cosine decay for `settings.steps` on the parameters that require grad;
+    returns the loss of every step."""
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay,
+                                  betas=(0.9, 0.95))
+    schedule = get_cosine_schedule_with_warmup(optimizer, settings.warmup_steps, settings.steps)
+    losses: list[float] = []
+    progress = tqdm(range(settings.steps), desc=desc, unit="step", dynamic_ncols=True)
+    for _ in progress:
+        loss = loss_fn(model, next(batches))
+        if not math.isfinite(loss.item()):
+            raise RuntimeError(f"{desc}: loss became {loss.item()} at step {len(losses)}")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        progress.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def bf16_agreement(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> float:
+    """Fraction of assistant positions whose argmax is the same with bf16-rounded weights as in fp32."""
+    reference = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
+    rounded = {name: p.to(torch.bfloat16).float() for name, p in model.state_dict().items()}
+    original = {name: p.clone() for name, p in model.state_dict().items()}
+    model.load_state_dict(rounded)
+    candidate = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
+    model.load_state_dict(original)
+    scored = batch["labels"] != IGNORE_INDEX
+    return (reference == candidate)[scored].float().mean().item()
+
+
+def train_target(kind: str, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path,
+                 settings: TrainSettings) -> dict[str, Any]:
+    """Train one demo target and write its HF directory; returns the record saved as tandem_demo.json."""
+    started = time.perf_counter()
+    torch.manual_seed(settings.seed)
+    config = target_config(kind, tokenizer, settings.size)
+    model = (LlamaForCausalLM if kind == "llama" else DeepseekV3ForCausalLM)(config)
+    losses = train_model(model, iter_batches(tokenizer, settings.batch_size, settings.seed), settings,
+                         desc=f"train {TARGETS[kind]}")
+    agreement = bf16_agreement(model, next(iter_batches(tokenizer, 16, settings.seed, split="heldout")))
+    dtype = torch.bfloat16 if agreement >= BF16_MIN_AGREEMENT else torch.float32
+    model.load_state_dict({name: p.to(dtype).float() for name, p in model.state_dict().items()})
+    report = evaluate_heldout(model, tokenizer, settings.eval_examples, seed=settings.seed)
+
+    out_dir = Path(out_dir)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.to(dtype).save_pretrained(out_dir)
+    save_tokenizer(tokenizer, out_dir)
+    window = max(1, min(20, len(losses) // 5))
+    record = {
+        "target": TARGETS[kind],
+        "corpus": {"seed": settings.seed, "split": "train", "families": "all"},
+        "training": asdict(settings),
+        "dtype": str(dtype).removeprefix("torch."),
+        "bf16_argmax_agreement": round(agreement, 4),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "loss_start": round(sum(losses[:window]) / window, 4),
+        "loss_end": round(sum(losses[-window:]) / window, 4),
+        "loss_every_25_steps": [round(loss, 4) for loss in losses[::25]],
+        "heldout": asdict(report),
+        "wall_time_s": round(time.perf_counter() - started, 1),
+    }
+    (out_dir / SETTINGS_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def load_or_train_tokenizer(out_dir: Path, size: str, retrain: bool) -> PreTrainedTokenizerBase:
+    """The tokenizer in `out_dir/tokenizer`, trained (seed 0) and saved there first if missing or `retrain`."""
+    directory = out_dir / "tokenizer"
+    if retrain or not (directory / "tokenizer.json").is_file():
+        settings = SIZES[size]["tokenizer"]
+        save_tokenizer(train_tokenizer(seed=0, **settings), directory)
+        (directory / SETTINGS_FILE).write_text(json.dumps({"corpus": {"seed": 0, "split": "train"}, **settings},
+                                                          indent=2) + "\n")
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = TrainSettings(steps=0)
+    parser.add_argument("--out", type=Path, default=ASSETS_DIR, help="assets directory (default: tandem/assets)")
+    parser.add_argument("--only", choices=["tokenizer", *TARGETS],
+                        help="one stage; a target reuses OUT/tokenizer when it exists")
+    parser.add_argument("--steps", type=int, help=f"optimizer steps per target (default: {DEFAULT_STEPS})")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="model init and corpus stream seed")
+    parser.add_argument("--size", choices=sorted(SIZES), default=defaults.size, help="'tiny' for smoke tests")
+    parser.add_argument("--eval-examples", type=int, default=defaults.eval_examples,
+                        help="held-out prompts checked after training")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    tokenizer = load_or_train_tokenizer(args.out, args.size, retrain=args.only in (None, "tokenizer"))
+    if args.only == "tokenizer":
+        return 0
+    for kind in [args.only] if args.only else list(TARGETS):
+        settings = TrainSettings(steps=args.steps or DEFAULT_STEPS[kind], batch_size=args.batch_size, lr=args.lr,
+                                 seed=args.seed, size=args.size, eval_examples=args.eval_examples)
+        record = train_target(kind, tokenizer, args.out / TARGETS[kind], settings)
+        heldout = record["heldout"]
+        print(f"{record['target']}: loss {record['loss_start']} -> {record['loss_end']}, "
+              f"held-out valid {heldout['valid']}/{heldout['total']} (exact {heldout['exact']}), "
+              f"{record['dtype']}, {record['wall_time_s']} s")
+    return 0

@@ -1,0 +1,72 @@
+"""llguidance backend: JSON schema, regex, choice, Lark and EBNF (converted to Lark).
+
+llguidance refuses JSON-schema keywords it does not implement (it is not run `lenient`), so it
+fails loudly where other backends approximate.
+"""
+
+from __future__ import annotations
+
+import llguidance
+import llguidance.hf
+from llguidance.gbnf_to_lark import gbnf_to_lark
+import torch
+
+from tandem.grammars.backends.base import EosTerminatedMatcher
+from tandem.grammars.spec import GrammarSpec
+from tandem.grammars.tokenizer import GrammarTokenizer
+
+NAME = "llguidance"
+KINDS = frozenset({"json_schema", "regex", "choice", "lark", "ebnf"})
+
+
+def _tokenizer(tokenizer: GrammarTokenizer) -> llguidance.LLTokenizer:
+    return llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=tokenizer.vocab_size, eos_token=tokenizer.eos_token_id)
+
+
+def _grammar_text(spec: GrammarSpec) -> str:
+    if spec.kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults={"whitespace_flexible": True})
+    if spec.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(spec.source)
+    if spec.kind == "ebnf":
+        return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.source))
+    return llguidance.LLMatcher.grammar_from_regex(spec.as_regex)
+
+
+class LLGuidanceMatcher(EosTerminatedMatcher):
+    """Matcher over `llguidance.LLMatcher` (see backends.base.Matcher for the contract).
+
+    llguidance stops by itself once nothing but EOS can follow; EOS is handled by the base class.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_id: int):
+        super().__init__(eos_token_id)
+        self._matcher = matcher
+
+    def _advance(self, token: int) -> bool:
+        # try_consume_tokens leaves the matcher untouched on a forbidden token (consume_token would
+        # put it in a permanent error state).
+        return self._matcher.try_consume_tokens([token]) == 1
+
+    def _rollback(self, num_tokens: int) -> None:
+        if not self._matcher.rollback(num_tokens):
+            raise RuntimeError(f"llguidance rollback of {num_tokens} failed: {self._matcher.get_error()}")
+
+    def _fill(self, row: torch.Tensor) -> None:
+        if self._matcher.is_stopped():
+            row.zero_()
+        else:
+            self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+
+    def _can_end(self) -> bool:
+        return self._matcher.is_accepting()
+
+
+def compile(spec: GrammarSpec, tokenizer: GrammarTokenizer):
+    """Compile `spec`; returns a zero-argument factory of fresh matchers. Raises ValueError on errors."""
+    ll_tokenizer = tokenizer.view(NAME, _tokenizer)
+    template = llguidance.LLMatcher(ll_tokenizer, _grammar_text(spec), log_level=0)
+    if template.is_error():
+        raise ValueError(template.get_error())
+    eos = tokenizer.eos_token_id
+    return lambda: LLGuidanceMatcher(template.deep_copy(), eos)

@@ -1,0 +1,127 @@
+"""GrammarSpec: what a request's output must match, validated on construction.
+
+Kinds: `json_schema` (dict, JSON text or pydantic model class), `regex`, `lark` (llguidance's Lark
+dialect), `ebnf` (GBNF, xgrammar's dialect) and `choice` (one of a list of literal strings, compiled
+as an escaped regex alternation). `strict=True` (default) refuses a backend that would silently
+ignore part of a JSON schema; `strict=False` accepts its approximation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Literal, Sequence
+
+import jsonschema
+import llguidance
+import xgrammar
+
+from tandem.grammars.errors import InvalidGrammarSpec
+
+GrammarKind = Literal["json_schema", "regex", "lark", "ebnf", "choice"]
+
+_REGEX_SPECIAL = re.compile(r"([\\.^$|?*+()\[\]{}/-])")
+
+
+def json_pointer(path: Sequence[str | int]) -> str:
+    """RFC 6901 pointer for a path of keys/indices: ["a/b", 0] -> "/a~1b/0"; [] -> "" (the root)."""
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
+
+
+def escape_regex_literal(text: str) -> str:
+    """Escape `text` so that every backend's regex dialect matches it literally."""
+    return _REGEX_SPECIAL.sub(r"\\\1", text)
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """An immutable, hashable, validated grammar description; build it with the classmethods.
+
+    `source` is the canonical text: JSON text for `json_schema` and `choice`, the pattern or
+    grammar text otherwise. Equal specs compile to the same grammar (it is the cache key).
+    """
+
+    kind: GrammarKind
+    source: str
+    strict: bool = True
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool | str | type, *, strict: bool = True) -> GrammarSpec:
+        """From a schema dict/bool, its JSON text, or a pydantic model class (`model_json_schema()`).
+
+        Raises InvalidGrammarSpec naming the JSON pointer of the first invalid subschema.
+        """
+        if isinstance(schema, type):
+            if not hasattr(schema, "model_json_schema"):
+                raise InvalidGrammarSpec(f"json_schema: {schema.__name__} is not a pydantic model class")
+            schema = schema.model_json_schema()
+        elif isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise InvalidGrammarSpec(f"json_schema: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidGrammarSpec(f"json_schema: a schema must be an object or a boolean, got {type(schema).__name__}")
+        validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        try:
+            validator.check_schema(schema)
+        except jsonschema.SchemaError as e:
+            pointer = json_pointer(list(e.path))
+            raise InvalidGrammarSpec(f"json_schema at {pointer or '/'}: {e.message}") from None
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False), strict)
+
+    @classmethod
+    def regex(cls, pattern: str) -> GrammarSpec:
+        """From a regular expression (the whole output must match). Checked with Python's `re`."""
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise InvalidGrammarSpec(f"regex: {e.msg} at position {e.pos} in {pattern!r}") from None
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, grammar: str) -> GrammarSpec:
+        """From a Lark grammar (llguidance's dialect, start rule `start`)."""
+        error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar))
+        if error:
+            raise InvalidGrammarSpec(f"lark: {error}")
+        return cls("lark", grammar)
+
+    @classmethod
+    def ebnf(cls, grammar: str) -> GrammarSpec:
+        """From a GBNF/EBNF grammar (xgrammar's dialect, start rule `root`)."""
+        try:
+            xgrammar.Grammar.from_ebnf(grammar)
+        except Exception as e:  # xgrammar raises RuntimeError with the parser's message
+            raise InvalidGrammarSpec(f"ebnf: {str(e).strip()}") from None
+        return cls("ebnf", grammar)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> GrammarSpec:
+        """The output is exactly one of `options` (non-empty list of distinct strings)."""
+        if isinstance(options, str) or not options:
+            raise InvalidGrammarSpec("choice: expected a non-empty list of strings")
+        for i, option in enumerate(options):
+            if not isinstance(option, str):
+                raise InvalidGrammarSpec(f"choice at /{i}: expected a string, got {type(option).__name__}")
+        if len(set(options)) != len(options):
+            raise InvalidGrammarSpec("choice: options must be distinct")
+        return cls("choice", json.dumps(list(options), ensure_ascii=False))
+
+    @cached_property
+    def schema(self) -> dict[str, Any] | bool:
+        """The parsed JSON schema (json_schema specs only)."""
+        if self.kind != "json_schema":
+            raise TypeError(f"{self.kind} spec has no JSON schema")
+        return json.loads(self.source)
+
+    @cached_property
+    def as_regex(self) -> str:
+        """The regex this spec compiles to (regex and choice specs only)."""
+        if self.kind == "regex":
+            return self.source
+        if self.kind == "choice":
+            return "(" + "|".join(escape_regex_literal(o) for o in json.loads(self.source)) + ")"
+        raise TypeError(f"{self.kind} spec has no regex form")

@@ -1,0 +1,210 @@
+"""Which JSON-schema keywords each backend honours, and the check that refuses the rest.
+
+Honoured means never silently ignored: the backend enforces the keyword, or fails to compile it
+with an error.
+
+Backends silently ignore some keywords (a schema with `uniqueItems` compiles, and then lets
+duplicates through). `unhonoured(spec, backend)` walks every subschema and lists each assertion
+keyword the backend is not known to honour, as `pointer: keyword`. The check is an allowlist:
+a keyword nobody measured is refused, so the approximation is never silent.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from tandem.grammars.spec import GrammarSpec, json_pointer
+
+# Keywords that never reject an instance (annotations, identifiers, containers of definitions).
+NON_ASSERTIONS = frozenset({
+    "$schema", "$id", "id", "$anchor", "$dynamicAnchor", "$vocabulary", "$comment", "$defs",
+    "definitions", "title", "description", "default", "examples", "deprecated", "readOnly",
+    "writeOnly", "contentMediaType", "contentEncoding", "contentSchema",
+})  # fmt: skip
+
+# Every assertion/applicator keyword of drafts 4 to 2020-12. Keywords outside both sets are
+# unknown to JSON Schema and ignored by validators too.
+ASSERTIONS = frozenset({
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+    "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "maxItems", "minItems",
+    "uniqueItems", "maxContains", "minContains", "contains", "items", "prefixItems",
+    "additionalItems", "unevaluatedItems", "maxProperties", "minProperties", "required",
+    "dependentRequired", "dependentSchemas", "dependencies", "properties", "patternProperties",
+    "additionalProperties", "propertyNames", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
+    "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
+})  # fmt: skip
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMAS = ("additionalProperties", "propertyNames", "items", "additionalItems", "contains", "not", "if",
+            "then", "else", "unevaluatedItems", "unevaluatedProperties", "contentSchema")  # fmt: skip
+
+
+# Formats JSON Schema defines; any other format name is an annotation no validator asserts.
+DEFINED_FORMATS = frozenset({
+    "date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
+    "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
+    "json-pointer", "relative-json-pointer", "regex",
+})  # fmt: skip
+
+
+# The instance type a type-specific keyword constrains. Backends may honour such a keyword only
+# beside a `type` (xgrammar reads `{"maxLength": 2}` as "any JSON"), so it is measured and
+# checked in two variants: `maxLength` (next to a type) and `maxLength@untyped`.
+KEYWORD_TYPES = {
+    **dict.fromkeys(("minLength", "maxLength", "pattern", "format"), "string"),
+    **dict.fromkeys(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"), "number"),
+    **dict.fromkeys(("items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "contains",
+                     "minContains", "maxContains", "unevaluatedItems"), "array"),
+    **dict.fromkeys(("properties", "required", "additionalProperties", "patternProperties", "minProperties",
+                     "maxProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
+                     "unevaluatedProperties"), "object"),
+}  # fmt: skip
+
+
+def keyword_label(keyword: str, value: Any, typed: bool = True) -> str | None:
+    """The name a keyword is measured under: `format:<name>`, `items[]` (draft-4 tuple form),
+    `exclusiveMinimum(bool)` / `exclusiveMaximum(bool)` (draft-4 form), else the keyword itself;
+    `@untyped` appended to a type-specific keyword in a subschema without `type`.
+    (`schema_assertions` also labels `required` naming properties not in `properties` as
+    `required:undeclared`, and `properties` with names JSON must escape as `properties:escaped`:
+    xgrammar mishandles both.)
+    None for a format JSON Schema does not define (an annotation)."""
+    suffix = "" if typed or keyword not in KEYWORD_TYPES else "@untyped"
+    if keyword == "format":
+        return f"format:{value}{suffix}" if value in DEFINED_FORMATS else None
+    return _base_label(keyword, value) + suffix
+
+
+def _needs_escape(name: str) -> bool:
+    return any(c in '"\\' or c < " " for c in name)
+
+
+def _base_label(keyword: str, value: Any) -> str:
+    if keyword in ("items", "dependencies") and isinstance(value, list):
+        return f"{keyword}[]"
+    if keyword in ("exclusiveMinimum", "exclusiveMaximum") and isinstance(value, bool):
+        return f"{keyword}(bool)"
+    return keyword
+
+
+def schema_assertions(schema: Any, path: tuple = ()) -> Iterator[tuple[str, str]]:
+    """Yield (JSON pointer, keyword label) for every assertion in `schema` and its subschemas.
+
+    A `false` subschema (rejects everything) is reported under the label `false`, except where
+    its parent keyword's own measurement covers it (`additionalProperties: false`, `items: false`...).
+    """
+    if schema is False:
+        yield json_pointer(path), "false"
+    if not isinstance(schema, dict):
+        return
+    typed = "type" in schema
+    for keyword, value in schema.items():
+        label = keyword_label(keyword, value, typed) if keyword in ASSERTIONS else None
+        if keyword == "required" and not set(value) <= set(schema.get("properties", ())):
+            label = label.replace("required", "required:undeclared")  # names missing from `properties`
+        if keyword == "properties" and isinstance(value, dict) and any(map(_needs_escape, value)):
+            label = label.replace("properties", "properties:escaped")  # names JSON must escape
+        if label is not None:
+            yield json_pointer(path + (keyword,)), label
+    for keyword in _SCHEMA_MAPS:
+        if isinstance(schema.get(keyword), dict):
+            for name, sub in schema[keyword].items():
+                if isinstance(sub, (dict, bool)):
+                    yield from schema_assertions(sub, path + (keyword, name))
+    for keyword in _SCHEMA_LISTS:
+        if isinstance(schema.get(keyword), list):
+            for i, sub in enumerate(schema[keyword]):
+                yield from schema_assertions(sub, path + (keyword, i))
+    for keyword in _SCHEMAS:
+        if isinstance(schema.get(keyword), dict):
+            yield from schema_assertions(schema[keyword], path + (keyword,))
+
+
+def unhonoured(spec: GrammarSpec, backend: str) -> list[str]:
+    """`pointer: keyword` for each assertion of a json_schema spec that `backend` may ignore.
+
+    Empty for other spec kinds (regexes and grammars are compiled exactly) and for honoured schemas.
+    """
+    if spec.kind != "json_schema":
+        return []
+    honoured = HONOURED.get(backend, frozenset())  # unmeasured backend: refuse every assertion
+    return [f"{pointer or '/'}: {label}" for pointer, label in schema_assertions(spec.schema) if label not in honoured]
+
+
+# Measured, not guessed: each JSON-Schema-Test-Suite (draft2020-12) schema, plus a typed variant
+# of each untyped one, compiled non-strict by each backend, every instance walked through masks
+# (evaluate.measure_suite). A label is honoured when no invalid instance got through (the backend
+# enforced it or failed loudly). Regenerate with
+#   tandem eval-schemas ../shared/data/json-schema-test-suite/draft2020-12 --measure-keywords \
+#       --backend NAME --timeout 30
+# (shipped tokenizer; xgrammar 0.2.8, llguidance 1.9.1, outlines-core 0.2.14; a label with a
+# timed-out schema counts as not honoured; tests/grammars/test_support.py re-measures a sample).
+# Labels absent here (never measured, e.g. draft-4 `items[]`, `dependencies`) are refused.
+HONOURED: dict[str, frozenset[str]] = {
+    "xgrammar": frozenset({
+        "$dynamicRef", "additionalProperties", "additionalProperties@untyped", "anyOf", "const",
+        "enum", "exclusiveMaximum", "exclusiveMinimum", "false", "format:duration",
+        "format:email", "format:ipv4", "format:json-pointer", "format:relative-json-pointer",
+        "format:uri", "format:uri-reference", "format:uri-template", "format:uuid", "items",
+        "items@untyped", "maxContains", "maxContains@untyped", "maxItems", "maxLength",
+        "maxProperties", "maximum", "minContains", "minContains@untyped", "minItems",
+        "minLength", "minProperties", "minimum", "pattern", "patternProperties", "prefixItems",
+        "prefixItems@untyped", "properties", "properties@untyped", "propertyNames", "required",
+        "required@untyped", "type", "unevaluatedItems", "unevaluatedItems@untyped"
+    }),
+    "llguidance": frozenset({
+        "$dynamicRef", "$ref", "additionalProperties", "additionalProperties@untyped", "allOf",
+        "anyOf", "const", "contains", "contains@untyped", "dependentRequired",
+        "dependentRequired@untyped", "dependentSchemas", "dependentSchemas@untyped", "else",
+        "enum", "exclusiveMaximum", "exclusiveMaximum@untyped", "exclusiveMinimum",
+        "exclusiveMinimum@untyped", "false", "format:duration", "format:duration@untyped",
+        "format:email", "format:email@untyped", "format:idn-email", "format:idn-email@untyped",
+        "format:idn-hostname", "format:idn-hostname@untyped", "format:ipv4",
+        "format:ipv4@untyped", "format:ipv6", "format:ipv6@untyped", "format:iri",
+        "format:iri-reference", "format:iri-reference@untyped", "format:iri@untyped",
+        "format:json-pointer", "format:json-pointer@untyped", "format:regex",
+        "format:regex@untyped", "format:relative-json-pointer",
+        "format:relative-json-pointer@untyped", "format:uri", "format:uri-reference",
+        "format:uri-reference@untyped", "format:uri-template", "format:uri-template@untyped",
+        "format:uri@untyped", "format:uuid", "format:uuid@untyped", "if", "items",
+        "items@untyped", "maxContains", "maxContains@untyped", "maxItems", "maxItems@untyped",
+        "maxLength", "maxLength@untyped", "maxProperties", "maxProperties@untyped", "maximum",
+        "maximum@untyped", "minContains", "minContains@untyped", "minItems", "minItems@untyped",
+        "minLength", "minLength@untyped", "minProperties", "minProperties@untyped", "minimum",
+        "minimum@untyped", "multipleOf", "multipleOf@untyped", "not", "oneOf", "pattern",
+        "pattern@untyped", "patternProperties", "patternProperties@untyped", "prefixItems",
+        "prefixItems@untyped", "properties", "properties:escaped", "properties:escaped@untyped",
+        "properties@untyped", "propertyNames", "propertyNames@untyped", "required",
+        "required:undeclared", "required:undeclared@untyped", "required@untyped", "then",
+        "type", "unevaluatedItems", "unevaluatedItems@untyped", "unevaluatedProperties",
+        "unevaluatedProperties@untyped", "uniqueItems", "uniqueItems@untyped"
+    }),
+    "outlines": frozenset({
+        "$dynamicRef", "$ref", "additionalProperties", "additionalProperties@untyped", "allOf",
+        "anyOf", "const", "contains@untyped", "dependentRequired", "dependentRequired@untyped",
+        "dependentSchemas", "dependentSchemas@untyped", "else", "enum", "exclusiveMaximum",
+        "exclusiveMaximum@untyped", "exclusiveMinimum", "exclusiveMinimum@untyped", "false",
+        "format:date-time", "format:date-time@untyped", "format:date@untyped",
+        "format:duration", "format:duration@untyped", "format:email", "format:email@untyped",
+        "format:hostname", "format:hostname@untyped", "format:idn-email",
+        "format:idn-email@untyped", "format:idn-hostname", "format:idn-hostname@untyped",
+        "format:ipv4", "format:ipv4@untyped", "format:ipv6", "format:ipv6@untyped",
+        "format:iri", "format:iri-reference", "format:iri-reference@untyped",
+        "format:iri@untyped", "format:json-pointer", "format:json-pointer@untyped",
+        "format:regex", "format:regex@untyped", "format:relative-json-pointer",
+        "format:relative-json-pointer@untyped", "format:time@untyped", "format:uri-reference",
+        "format:uri-reference@untyped", "format:uri-template", "format:uri-template@untyped",
+        "format:uri@untyped", "format:uuid", "format:uuid@untyped", "if", "maxContains",
+        "maxContains@untyped", "maxItems", "maxItems@untyped", "maxLength@untyped",
+        "maxProperties", "maxProperties@untyped", "maximum", "maximum@untyped", "minContains",
+        "minContains@untyped", "minItems", "minItems@untyped", "minLength@untyped",
+        "minProperties", "minProperties@untyped", "minimum@untyped", "multipleOf@untyped",
+        "not", "pattern", "pattern@untyped", "patternProperties", "patternProperties@untyped",
+        "prefixItems", "prefixItems@untyped", "properties:escaped",
+        "properties:escaped@untyped", "propertyNames", "propertyNames@untyped", "required",
+        "required:undeclared", "required:undeclared@untyped", "required@untyped", "then",
+        "type", "unevaluatedItems@untyped", "unevaluatedProperties",
+        "unevaluatedProperties@untyped"
+    }),
+}  # fmt: skip

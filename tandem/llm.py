@@ -1,0 +1,152 @@
+"""`tandem.LLM`: the Python API over the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from tandem.assets import ASSETS_DIR
+from tandem.decoding.engine import Engine, EngineConfig
+from tandem.decoding.output import RequestOutput, StreamDelta
+from tandem.decoding.params import RelaxedAcceptance, SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """A target model, an optional draft, a tokenizer and the engine that runs them.
+
+    model: "demo-llama", "demo-deepseek" (shipped in tandem/assets) or a local Hugging Face
+        directory. draft: None (plain decoding), "eagle", "eagle3" (the draft shipped next to
+        the model, `<model>-<kind>`), "mtp" (the target checkpoint's own MTP layers), "ngram",
+        or a local draft checkpoint directory.
+    """
+
+    def __init__(
+        self,
+        model: str = "demo-llama",
+        draft: str | None = None,
+        *,
+        num_speculative_tokens: int = 4,
+        grammar_backend: str = "auto",
+        relaxed: RelaxedAcceptance | None = None,
+        device: str = "auto",
+        dtype: torch.dtype | None = None,
+        max_num_seqs: int = 8,
+        max_model_len: int | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        from tandem.models.loading import load_draft, load_target
+
+        self.model_path = resolve_model(model)
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.target = load_target(self.model_path, dtype=dtype, device=device)
+        self.draft = None
+        if draft is not None:
+            self.draft = load_draft(resolve_draft(draft, self.model_path), self.target, dtype=dtype, device=device)
+        context = max_model_len or min(self.target.config.get("max_position_embeddings", 4096), 4096)
+        self.engine = Engine(
+            self.target,
+            self.draft,
+            self.tokenizer,
+            EngineConfig(num_speculative_tokens=num_speculative_tokens, max_num_seqs=max_num_seqs,
+                         max_model_len=context, relaxed=relaxed, grammar_backend=grammar_backend),
+        )
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids), batched continuously; outputs in prompt order."""
+        params = params or SamplingParams()
+        job = self.engine.compile_grammar(params)
+        if job is not None:
+            job.result()  # raises the grammar's error (invalid, refused, timed out) before anything runs
+        ids = [self.engine.add_request(self._encode(p), params) for p in _as_list(prompts)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self.engine.pop_finished(request_id) for request_id in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield the request's new reasoning/answer text step by step; the last delta has a finish_reason."""
+        request_id = self.engine.add_request(self._encode(prompt), params or SamplingParams())
+        try:
+            while True:
+                for delta in self.engine.step():
+                    if delta.request_id == request_id and (delta.text or delta.reasoning or delta.finish_reason):
+                        yield delta
+                    if delta.request_id == request_id and delta.finish_reason is not None:
+                        self.engine.pop_finished(request_id)
+                        return
+        finally:
+            self.engine.abort(request_id)
+
+    def chat(
+        self,
+        messages: list[dict],
+        params: SamplingParams | None = None,
+        *,
+        response_format: type | dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> RequestOutput:
+        """One chat turn through the tokenizer's chat template; `response_format` (a pydantic
+        model class or a JSON schema dict) constrains the answer."""
+        params = params or SamplingParams()
+        if response_format is not None:
+            params = SamplingParams(**{**params.__dict__, "json_schema": response_format})
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return self.generate([ids], params)[0]
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return [int(t) for t in prompt]
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def resolve_model(model: str | Path) -> Path:
+    """A shipped demo name or a local directory with a config.json."""
+    path = ASSETS_DIR / str(model) if (ASSETS_DIR / str(model)).is_dir() else Path(model)
+    if not (path / "config.json").is_file():
+        shipped = sorted(p.name for p in ASSETS_DIR.iterdir() if (p / "config.json").is_file())
+        raise FileNotFoundError(f"model {model!r}: no config.json in {path}; shipped models: {shipped}")
+    return path
+
+
+def available_drafts(model_path: Path) -> list[str]:
+    """Draft kinds usable with a model, strongest first: shipped EAGLE-3 / EAGLE drafts beside it,
+    its own MTP layer (if the checkpoint has one), and the model-free n-gram draft."""
+    from tandem.models.loading import WeightReader, read_config
+
+    kinds = [kind for kind in ("eagle3", "eagle") if (model_path.parent / f"{model_path.name}-{kind}" / "config.json").is_file()]
+    layers = read_config(model_path).get("num_hidden_layers")
+    if f"model.layers.{layers}.eh_proj.weight" in WeightReader(model_path):
+        kinds.append("mtp")
+    return [*kinds, "ngram"]
+
+
+def best_draft(model_path: Path) -> str:
+    """The strongest draft available for a model (see `available_drafts`)."""
+    return available_drafts(model_path)[0]
+
+
+def resolve_draft(draft: str, model_path: Path) -> str | Path:
+    """"ngram" and "mtp" pass through; "eagle"/"eagle3" mean the draft shipped beside the model."""
+    if draft in ("ngram", "mtp"):
+        return draft
+    if draft in ("eagle", "eagle3"):
+        sibling = model_path.parent / f"{model_path.name}-{draft}"
+        if not (sibling / "config.json").is_file():
+            raise FileNotFoundError(f"draft {draft!r}: no {sibling.name} beside {model_path}")
+        return sibling
+    path = Path(draft)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"draft {draft!r}: not a kind (eagle, eagle3, mtp, ngram) nor a directory with config.json")
+    return path

@@ -1,0 +1,29 @@
+"""Interchangeable model providers: targets verify, drafts propose (see :mod:`tandem.models.base`)."""
+
+from tandem.models.base import (
+    Draft,
+    DraftInput,
+    DraftProposal,
+    ForwardBatch,
+    KVCache,
+    Target,
+    TargetOutput,
+    default_aux_layer_ids,
+)
+from tandem.models.loading import CheckpointError, WeightReader, load_draft, load_target, load_tokenizer
+
+__all__ = [
+    "CheckpointError",
+    "Draft",
+    "DraftInput",
+    "DraftProposal",
+    "ForwardBatch",
+    "KVCache",
+    "Target",
+    "TargetOutput",
+    "WeightReader",
+    "default_aux_layer_ids",
+    "load_draft",
+    "load_target",
+    "load_tokenizer",
+]

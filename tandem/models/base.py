@@ -1,0 +1,244 @@
+"""The provider contract: ragged batches, KV caches with rollback, and the Target / Draft protocols.
+
+A **target** verifies a ragged batch (no padding): row ``b`` owns tokens
+``row_offsets[b]:row_offsets[b+1]`` of the concatenated ``input_ids``, each at its absolute
+``positions`` in the sequence kept in KV-cache slot ``slots[b]``. It returns logits for the
+tokens named by ``logits_indices`` plus, on request, the hidden states a draft reads.
+
+A **draft** proposes ``k`` tokens per row from the tokens committed since its last proposal
+and the target's hidden state at the position *before* each of them: the pair
+``(h_{p-1}, x_p)`` predicts ``x_{p+1}`` (EAGLE/MTP pairing). Hidden-reading drafts keep that
+pair at cache position ``p``; position 0 has no pair (:attr:`KVCache.first_position` = 1).
+
+KV caches are preallocated, ``[num_slots, max_len, ...]`` per layer, plus ``lengths [num_slots]``.
+A forward writes each token's entry at its position in its slot and attends causally by
+position. :meth:`KVCache.truncate` only sets lengths (rollback after rejection, no copy);
+re-running a position overwrites it, so decoding after a truncate equals decoding a fresh
+cache over the same tokens.
+
+Aux hidden states (EAGLE-3) use the HF ``hidden_states`` index convention: index ``i`` is the
+input of decoder layer ``i`` (before any final norm); the default capture points are
+``(2, L // 2, L - 3)`` like the published EAGLE-3 drafts (:func:`default_aux_layer_ids`).
+
+Changes to this contract are listed here. (None so far.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ForwardBatch:
+    """A ragged batch, no padding (every tensor int64, on the model's device)."""
+
+    input_ids: Tensor  # [T]: every row's new tokens, concatenated
+    positions: Tensor  # [T]: absolute position of each token in its sequence
+    row_offsets: Tensor  # [B+1]: row b owns tokens row_offsets[b]:row_offsets[b+1]
+    slots: Tensor  # [B]: KV-cache slot of each row
+    logits_indices: Tensor | None = None  # [N] indices into T whose logits are wanted (None = all)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.slots)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: list[list[int]],
+        starts: list[int],
+        slots: list[int],
+        *,
+        logits_indices: list[int] | None = None,
+        device: torch.device | str | None = None,
+    ) -> "ForwardBatch":
+        """Build a batch from per-row token lists ``rows[b]`` placed at ``starts[b], starts[b]+1, ...``."""
+        if not (len(rows) == len(starts) == len(slots)):
+            raise ValueError(f"rows, starts and slots differ in length: {len(rows)}, {len(starts)}, {len(slots)}")
+
+        def as_tensor(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        lengths = [len(row) for row in rows]
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        return cls(
+            input_ids=as_tensor([t for row in rows for t in row]),
+            positions=as_tensor([s + i for s, n in zip(starts, lengths) for i in range(n)]),
+            row_offsets=as_tensor(offsets),
+            slots=as_tensor(slots),
+            logits_indices=None if logits_indices is None else as_tensor(logits_indices),
+        )
+
+    def last_token_indices(self) -> Tensor:
+        """``[B]`` int64: index into T of each row's last token."""
+        return self.row_offsets[1:] - 1
+
+    def token_rows(self) -> Tensor:
+        """``[T]`` int64: the row of each token."""
+        return torch.repeat_interleave(torch.arange(self.num_rows, device=self.slots.device), self.row_offsets.diff())
+
+
+class KVCache:
+    """Preallocated per-layer caches ``[num_slots, max_len, *entry_shape]`` and ``lengths [num_slots] int64``.
+
+    What an entry holds is the model's business (Llama: stacked K and V ``[2, n_kv, head_dim]``;
+    DeepSeek-V3: the compressed latent ``[kv_lora_rank + qk_rope_head_dim]``).
+    ``lengths[s]`` is the number of positions of slot ``s`` that hold committed (or just written)
+    entries; ``first_position`` is the lowest position a model ever writes (1 for drafts that pair
+    a token with the hidden state before it, 0 otherwise).
+    """
+
+    def __init__(self, layers: list[Tensor], *, first_position: int = 0):
+        if not layers:
+            raise ValueError("a KVCache needs at least one layer tensor")
+        shape = layers[0].shape[:2]
+        for i, layer in enumerate(layers):
+            if layer.shape[:2] != shape:
+                raise ValueError(f"layer {i} cache shape {tuple(layer.shape)} does not start with {tuple(shape)}")
+        self.layers = layers
+        self.first_position = first_position
+        self.lengths = torch.zeros(shape[0], dtype=torch.int64, device=layers[0].device)
+
+    @classmethod
+    def allocate(
+        cls,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        entry_shape: tuple[int, ...],
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        first_position: int = 0,
+    ) -> "KVCache":
+        """Zero-filled caches: ``num_layers`` tensors ``[num_slots, max_len, *entry_shape]``."""
+        layers = [torch.zeros(num_slots, max_len, *entry_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return cls(layers, first_position=first_position)
+
+    @property
+    def num_slots(self) -> int:
+        return self.layers[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.layers[0].shape[1]
+
+    def truncate(self, slots: Tensor, lengths: Tensor) -> None:
+        """Roll slots ``slots [B]`` back to ``lengths [B]`` positions. Sets lengths only; copies nothing."""
+        if (lengths < 0).any() or (lengths > self.max_len).any():
+            raise ValueError(f"truncate lengths {lengths.tolist()} outside [0, {self.max_len}]")
+        self.lengths[slots.to(self.lengths.device)] = lengths.to(self.lengths)
+
+    def reset(self, slots: Tensor) -> None:
+        """Empty slots ``slots [B]`` (a new sequence will use them)."""
+        self.truncate(slots, torch.zeros_like(slots))
+
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        """Check that ``batch`` fits and leaves no gap, then set each row's length to its last position + 1.
+
+        Call once per forward, before writing. Raises ``ValueError`` naming the row when a
+        position is past ``max_len`` or a row starts beyond what its slot holds.
+        """
+        if batch.num_rows == 0:
+            return
+        if (batch.row_offsets.diff() <= 0).any():
+            raise ValueError(f"every row needs at least one token; row_offsets={batch.row_offsets.tolist()}")
+        if (batch.slots < 0).any() or (batch.slots >= self.num_slots).any():
+            raise ValueError(f"slots {batch.slots.tolist()} outside [0, {self.num_slots})")
+        first = batch.positions[batch.row_offsets[:-1]]
+        last = batch.positions[batch.row_offsets[1:] - 1]
+        held = self.lengths[batch.slots].clamp(min=self.first_position)
+        bad = (last >= self.max_len) | (first > held) | (first < self.first_position)
+        if bad.any():
+            b = int(bad.nonzero()[0])
+            raise ValueError(
+                f"row {b} (slot {int(batch.slots[b])}) writes positions {int(first[b])}..{int(last[b])} but the "
+                f"slot holds {int(held[b])} positions, writes start at {self.first_position} and max_len is "
+                f"{self.max_len}"
+            )
+        self.lengths[batch.slots] = last + 1
+
+
+@dataclass
+class TargetOutput:
+    logits: Tensor  # [N, V] float32: logits at batch.logits_indices (all T tokens when None)
+    hidden: Tensor | None = None  # [T, H]: last layer AFTER the final norm (EAGLE-1, MTP)
+    aux_hidden: Tensor | None = None  # [T, len(aux_layer_ids) * H]: concat of the captured layer inputs (EAGLE-3)
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's capture points in the HF ``hidden_states`` convention (index i = input of layer i)."""
+    return (2, num_layers // 2, num_layers - 3) if num_layers >= 5 else (1, num_layers // 2, num_layers - 1)
+
+
+@runtime_checkable
+class Target(Protocol):
+    """A target model. ``config`` is its HF config dict; ``checkpoint_dir`` is set by ``load_target``."""
+
+    config: dict[str, Any]
+    checkpoint_dir: Path | None
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    aux_layer_ids: tuple[int, ...]  # settable: a draft's eagle_aux_hidden_state_layer_ids override the default
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache: ...
+
+    def forward(
+        self, batch: ForwardBatch, cache: KVCache, *, return_hidden: bool = False, return_aux: bool = False
+    ) -> TargetOutput:
+        """Write the batch's K/V into ``cache`` and return its logits (and hidden states on request)."""
+        ...
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """``ids: [T] int64`` -> ``[T, H]`` token embeddings (shared with drafts)."""
+        ...
+
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        """``hidden: [N, H]`` -> ``[N, V]`` float32 logits (shared with drafts; no final norm applied)."""
+        ...
+
+
+@dataclass
+class DraftInput:
+    batch: ForwardBatch  # per row: the tokens committed since the last proposal, at their positions
+    hidden: Tensor | None  # [T, Hd]: target hidden state at the position BEFORE each token
+    history: list[Tensor] | None  # per row: all committed token ids [L_b] int64 (n-gram lookup)
+
+
+@dataclass
+class DraftProposal:
+    tokens: Tensor  # [B, k] int64 target-vocabulary ids; -1 (PLACEHOLDER_TOKEN_ID) pads a shorter proposal
+    probs: Tensor | None  # [B, k, V] float32 draft distribution over the TARGET vocab, or None (deterministic)
+
+
+HiddenKind = Literal["last", "aux", None]
+
+
+@runtime_checkable
+class Draft(Protocol):
+    """A draft model. ``hidden_kind`` says what it reads: the target's ``hidden`` ("last"), ``aux_hidden``
+    ("aux"), or nothing (None)."""
+
+    hidden_kind: HiddenKind
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache | None: ...
+
+    def propose(self, inp: DraftInput, cache: KVCache | None, num_tokens: int) -> DraftProposal:
+        """Consume ``inp`` (writing its entries into ``cache``) and propose ``num_tokens`` tokens per row.
+
+        Speculative entries written while chaining are overwritten by the next call (the
+        caller truncates the cache to the committed length first).
+        """
+        ...

@@ -1,0 +1,277 @@
+"""DeepSeek-V3 target: multi-head latent attention (MLA) over a compressed-latent KV cache, MoE.
+
+MLA (DeepSeek-V2 paper, section 2.1), per token x:
+
+    q          = q_b(norm(q_a(x)))  or  q_proj(x)          # [nh, nope + rope]
+    c, k_pe    = kv_a_proj_with_mqa(x)                      # latent [r], shared rotary key [rope]
+    cache     <- (kv_a_layernorm(c), RoPE(k_pe))            # r + rope numbers per token and layer
+    kv_b       = [W_uk | W_uv] per head                      # [nh, nope + v, r]
+
+Attention uses the absorbed form, so the cache is never re-expanded to per-head K/V:
+``q_nope . (W_uk c) = (W_uk^T q_nope) . c``, hence scores come from the latent query
+``cat(W_uk^T q_nope, RoPE(q_pe))`` against the cached ``cat(c, k_pe)`` (one shared "head"),
+and ``sum_j a_j W_uv c_j = W_uv (sum_j a_j c_j)`` gives each head's value output. The
+softmax scale is ``(nope + rope) ** -0.5``, times YaRN's ``mscale_all_dim`` correction.
+
+Decoder layers ``< first_k_dense_replace`` use a dense SwiGLU MLP, the others the routed
+MoE of :mod:`tandem.models.moe`. Key names are the published ones (``model.layers.{i}.self_attn.
+kv_a_proj_with_mqa.weight``, ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tandem.models.base import ForwardBatch, KVCache, Target, TargetOutput, default_aux_layer_ids
+from tandem.models.llama3 import RaggedLayout, RMSNorm
+from tandem.models.loading import WeightReader
+from tandem.models.moe import DeepseekMoE, GatedMLP, TakeFn, load_param
+from tandem.models.rope import RotaryEmbedding, apply_interleaved_rotary
+
+REQUIRED_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings",
+)  # fmt: skip
+
+
+def check_config(config: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first missing or unsupported DeepSeek-V3 config entry."""
+    missing = [key for key in REQUIRED_KEYS if config.get(key) is None]
+    if missing:
+        raise ValueError(f"DeepSeek-V3 config.json lacks {missing}")
+    unsupported = {
+        "hidden_act": (config.get("hidden_act", "silu"), ("silu",)),
+        "scoring_func": (config.get("scoring_func", "sigmoid"), ("sigmoid",)),
+        "topk_method": (config.get("topk_method", "noaux_tc"), ("noaux_tc",)),
+        "rope_interleave": (config.get("rope_interleave", True), (True,)),
+    }
+    for key, (value, allowed) in unsupported.items():
+        if value not in allowed:
+            raise ValueError(f"DeepSeek-V3 config {key}={value!r} is not supported (expected one of {allowed})")
+    if config.get("quantization_config"):
+        raise ValueError("quantized (e.g. FP8) DeepSeek-V3 checkpoints are not supported: dequantize to bf16 first")
+
+
+def attend_latent(layout: RaggedLayout, query: Tensor, latent_cache: Tensor, value_dim: int, scale: float) -> Tensor:
+    """Single-latent-head attention of every query head over its row's slot of cached latents.
+
+    Args:
+        layout: the batch's :class:`~tandem.models.llama3.RaggedLayout` (padding and visibility).
+        query: ``[T, nh, D]`` latent queries (``D = kv_lora_rank + qk_rope_head_dim``).
+        latent_cache: ``[num_slots, max_len, D]``; the keys, whose first ``value_dim`` entries are the values.
+    Returns:
+        ``[T, nh, value_dim]`` in the query's dtype.
+    """
+    num_rows, _, max_query, max_key = layout.visible.shape
+    num_heads, dim = query.shape[1:]
+    padded = query.new_zeros(num_rows, max_query, num_heads, dim)
+    padded[layout.token_rows, layout.token_cols] = query
+    keys = latent_cache[layout.slots, :max_key].unsqueeze(1)  # [B, 1, Lmax, D]
+    # Heads fold into the query axis: one shared key/value head, as in MQA.
+    mask = layout.visible[..., None, :].expand(-1, -1, -1, num_heads, -1).reshape(num_rows, 1, -1, max_key)
+    out = F.scaled_dot_product_attention(
+        padded.view(num_rows, 1, max_query * num_heads, dim), keys, keys[..., :value_dim], mask, scale=scale
+    )
+    return out.view(num_rows, max_query, num_heads, value_dim)[layout.token_rows, layout.token_cols]
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA with the absorbed form over the latent cache: ``x: [T, H] -> [T, H]``."""
+
+    def __init__(self, config: dict[str, Any], softmax_scale_factor: float, **factory):
+        super().__init__()
+        hidden, self.num_heads = config["hidden_size"], config["num_attention_heads"]
+        self.nope_dim, self.rope_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+        self.v_dim, self.kv_rank = config["v_head_dim"], config["kv_lora_rank"]
+        self.q_rank = config.get("q_lora_rank")
+        bias = bool(config.get("attention_bias", False))
+        eps = config.get("rms_norm_eps", 1e-6)
+        q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        if self.q_rank is None:
+            self.q_proj = nn.Linear(hidden, q_out, bias=False, **factory)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_rank, bias=bias, **factory)
+            self.q_a_layernorm = RMSNorm(self.q_rank, eps=eps, **factory)
+            self.q_b_proj = nn.Linear(self.q_rank, q_out, bias=False, **factory)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope_dim, bias=bias, **factory)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, eps=eps, **factory)
+        self.kv_b_proj = nn.Linear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False, **factory)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias, **factory)
+        self.scale = (self.nope_dim + self.rope_dim) ** -0.5 * softmax_scale_factor
+
+    def forward(
+        self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], layout: RaggedLayout, latent_cache: Tensor
+    ) -> Tensor:
+        """Write this batch's latents into ``latent_cache [num_slots, max_len, r + rope]`` and attend.
+
+        ``x: [T, H]``, ``positions: [T]``, ``rope``: (cos, sin) ``[T, rope/2]`` -> ``[T, H]``.
+        """
+        q = self.q_proj(x) if self.q_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(len(x), self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        latent_cache[layout.token_slots, positions] = torch.cat(
+            [self.kv_a_layernorm(latent), apply_interleaved_rotary(k_pe, *rope)], dim=-1
+        ).to(latent_cache.dtype)
+        kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, kv_b[:, : self.nope_dim])
+        query = torch.cat([q_latent, apply_interleaved_rotary(q_pe, *rope)], dim=-1)  # [T, nh, r + rope]
+        out_latent = attend_latent(layout, query, latent_cache, self.kv_rank, self.scale)  # [T, nh, r]
+        out = torch.einsum("thr,hvr->thv", out_latent, kv_b[:, self.nope_dim :])
+        return self.o_proj(out.flatten(1))
+
+    def load(self, take: TakeFn, prefix: str) -> None:
+        """Read ``{prefix}{q_a_proj,q_a_layernorm,q_b_proj | q_proj, kv_a_proj_with_mqa, ...}.*``."""
+        for name, param in self.named_parameters():  # our names are the checkpoint's
+            load_param(param, take, prefix + name)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: MLA, then a dense SwiGLU MLP or the MoE. ``x: [T, H] -> [T, H]``."""
+
+    def __init__(self, config: dict[str, Any], layer_id: int, softmax_scale_factor: float, **factory):
+        super().__init__()
+        hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(hidden, eps=eps, **factory)
+        self.self_attn = MultiHeadLatentAttention(config, softmax_scale_factor, **factory)
+        self.post_attention_layernorm = RMSNorm(hidden, eps=eps, **factory)
+        is_moe = config.get("n_routed_experts") and layer_id >= (config.get("first_k_dense_replace") or 0)
+        if is_moe:
+            self.mlp = DeepseekMoE(config, **factory)
+        else:
+            self.mlp = GatedMLP(hidden, config["intermediate_size"], **factory)
+
+    def forward(
+        self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], layout: RaggedLayout, latent_cache: Tensor
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, layout, latent_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def load(self, take: TakeFn, prefix: str) -> None:
+        """Read every tensor of ``{prefix}*`` (``model.layers.{i}.``)."""
+        load_param(self.input_layernorm.weight, take, f"{prefix}input_layernorm.weight")
+        load_param(self.post_attention_layernorm.weight, take, f"{prefix}post_attention_layernorm.weight")
+        self.self_attn.load(take, f"{prefix}self_attn.")
+        self.mlp.load(take, f"{prefix}mlp.")
+
+
+class DeepseekV3(nn.Module):
+    """DeepSeek-V3 target (:class:`tandem.models.base.Target`): embedding, MLA/MoE layers, norm, LM head.
+
+    Args:
+        config: the checkpoint's ``config.json`` as a dict.
+        aux_layer_ids: EAGLE-3 capture points (HF ``hidden_states`` indices); default
+            :func:`~tandem.models.base.default_aux_layer_ids`.
+        dtype, device: of the parameters and caches (the router bias stays float32).
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        *,
+        aux_layer_ids: tuple[int, ...] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        check_config(config)
+        factory = {"dtype": dtype, "device": device}
+        self.config, self.checkpoint_dir = config, None
+        self.vocab_size, self.hidden_size = config["vocab_size"], config["hidden_size"]
+        self.num_layers = config["num_hidden_layers"]
+        self.aux_layer_ids = tuple(aux_layer_ids or default_aux_layer_ids(self.num_layers))
+        self.rope = RotaryEmbedding(config, config["qk_rope_head_dim"])
+        self.embed_tokens = nn.Embedding(self.vocab_size, self.hidden_size, **factory)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rope.softmax_scale_factor, **factory) for i in range(self.num_layers)
+        )
+        self.norm = RMSNorm(self.hidden_size, eps=config.get("rms_norm_eps", 1e-6), **factory)
+        tied = config.get("tie_word_embeddings", False)
+        self.head = None if tied else nn.Linear(self.hidden_size, self.vocab_size, bias=False, **factory)
+
+    @property
+    def latent_dim(self) -> int:
+        """Numbers cached per token and layer: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.config["kv_lora_rank"] + self.config["qk_rope_head_dim"]
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """Latent caches ``[num_slots, max_len, kv_lora_rank + qk_rope_head_dim]`` per layer."""
+        weight = self.embed_tokens.weight
+        return KVCache.allocate(
+            self.num_layers, num_slots, max_len, (self.latent_dim,), dtype=weight.dtype, device=weight.device
+        )
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """``ids: [T] int64`` -> ``[T, H]``."""
+        return self.embed_tokens(ids)
+
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        """``hidden: [N, H]`` (already normed) -> ``[N, V] float32``; the embedding matrix when tied."""
+        weight = self.embed_tokens.weight if self.head is None else self.head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, cache: KVCache, *, return_hidden: bool = False, return_aux: bool = False
+    ) -> TargetOutput:
+        """Write the batch's latents into ``cache`` and return logits ``[N, V] float32``.
+
+        ``hidden`` is ``[T, H]`` after the final norm; ``aux_hidden`` is ``[T, len(aux_layer_ids) * H]``,
+        the inputs of the layers in :attr:`aux_layer_ids` (index ``num_layers`` = the normed output).
+        """
+        if return_aux and not all(0 <= i <= self.num_layers for i in self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids {self.aux_layer_ids} outside hidden_states indices 0..{self.num_layers}")
+        cache.begin_forward(batch)
+        layout = RaggedLayout.build(batch)
+        positions = batch.positions
+        rope = self.rope(positions)
+        capture = self.aux_layer_ids if return_aux else ()
+        captured: dict[int, Tensor] = {}
+        x = self.embed_tokens(batch.input_ids)
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                captured[i] = x
+            x = layer(x, positions, rope, layout, cache.layers[i])
+        x = captured[self.num_layers] = self.norm(x)
+        selected = x if batch.logits_indices is None else x[batch.logits_indices]
+        return TargetOutput(
+            logits=self.lm_head(selected),
+            hidden=x if return_hidden else None,
+            aux_hidden=torch.cat([captured[i] for i in capture], dim=-1) if return_aux else None,
+        )
+
+    def load(self, take: TakeFn) -> None:
+        """Read ``model.embed_tokens``, ``model.layers.{i}.*``, ``model.norm`` and ``lm_head`` (unless tied)."""
+        load_param(self.embed_tokens.weight, take, "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            layer.load(take, f"model.layers.{i}.")
+        load_param(self.norm.weight, take, "model.norm.weight")
+        if self.head is not None:
+            load_param(self.head.weight, take, "lm_head.weight")
+
+
+def mtp_layer_ids(config: dict[str, Any]) -> range:
+    """Indices of the MTP/NextN layers stored after the decoder layers (``model.layers.{L}.*``, ...)."""
+    first = config["num_hidden_layers"]
+    return range(first, first + (config.get("num_nextn_predict_layers") or 0))
+
+
+def build(
+    config: dict[str, Any],
+    weights: WeightReader,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    target: Target | None = None,
+) -> DeepseekV3:
+    """The :mod:`tandem.models.loading` builder: a DeepSeek-V3 target with its checkpoint's weights.
+
+    The MTP layers (``model.layers.{L}.*`` and up) are left for :mod:`tandem.models.mtp`.
+    """
+    model = DeepseekV3(config, dtype=dtype, device="meta").to_empty(device=device)  # weights follow
+    model.load(weights.take)
+    weights.finish(ignore=[rf"model\.layers\.{i}\." for i in mtp_layer_ids(config)])
+    return model.eval().requires_grad_(False)

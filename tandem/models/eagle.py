@@ -1,0 +1,110 @@
+"""EAGLE (v1/v2) draft for Llama 3 targets, and the chaining loop EAGLE-3 shares.
+
+Architecture (Li et al., "EAGLE", 2024; published checkpoints such as
+``yuhuili/EAGLE-LLaMA3-Instruct-8B``), for the pair of target feature ``f_{p-1}`` (the
+target's last hidden state AFTER its final norm) and token ``x_p``:
+
+    g_p     = layer(fc(cat(embed(x_p), f_{p-1})))      # one Llama layer without input_layernorm
+    x_{p+1} = argmax lm_head(g_p)                       # the target's embedding and head, no norm
+
+Chaining k > 1 feeds the draft's own output ``g_p`` back in place of ``f_p``. Keys:
+``fc.weight [H, 2H]`` (+ ``fc.bias`` unless the config says ``"bias": false``), ``layers.0.*``
+(no ``input_layernorm``); an ``embed_tokens.weight`` copy of the target's is ignored.
+The draft's KV cache keeps the pair ``(f_{p-1}, x_p)`` at position ``p`` (first position 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from tandem.models.base import DraftInput, DraftProposal, ForwardBatch, KVCache, Target
+from tandem.models.llama3 import DecoderLayer, RaggedLayout, Rotary, check_activation, kv_entry_shape
+from tandem.models.loading import WeightReader, load_module
+
+StepFn = Callable[[ForwardBatch, Tensor, KVCache], Tensor]  # (batch, hidden [T, *], cache) -> hidden [T, H]
+HeadFn = Callable[[Tensor], Tensor]  # hidden [B, H] -> next target token ids [B] int64
+
+
+def check_pair(config: dict[str, Any], target: Target, what: str) -> None:
+    """Raise ``ValueError`` when a draft config's hidden size does not fit ``target``."""
+    if config["hidden_size"] != target.hidden_size:
+        raise ValueError(
+            f"{what} draft hidden_size {config['hidden_size']} does not match the target's {target.hidden_size}"
+        )
+
+
+def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor, cache: KVCache, k: int) -> Tensor:
+    """Run ``step`` over the committed tokens, then chain ``k - 1`` single-token steps.
+
+    ``hidden [T, *]`` is what ``step`` reads for the committed tokens; chained steps read the
+    previous step's output at each row's last token, at the next position. Returns ``[B, k]``.
+    """
+    batch = inp.batch
+    out = step(batch, hidden, cache)
+    last = batch.last_token_indices()
+    h, positions = out[last], batch.positions[last]
+    rows = torch.arange(batch.num_rows + 1, device=positions.device)
+    tokens = []
+    for i in range(k):
+        tokens.append(head(h))
+        if i + 1 < k:
+            positions = positions + 1
+            h = step(ForwardBatch(tokens[-1], positions, rows, batch.slots), h, cache)
+    return torch.stack(tokens, dim=1) if tokens else positions.new_zeros(batch.num_rows, 0)
+
+
+class Eagle(nn.Module):
+    """The EAGLE-1/2 draft (implements :class:`tandem.models.base.Draft`); reads the target's ``hidden``."""
+
+    hidden_kind = "last"
+
+    def __init__(self, config: dict[str, Any], target: Target, *, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        check_activation(config)
+        check_pair(config, target, "EAGLE")
+        factory = {"dtype": dtype, "device": device}
+        hidden = config["hidden_size"]
+        # Bound methods, not the module: the target must not become a submodule of the draft.
+        self.target_embed, self.target_lm_head = target.embed, target.lm_head
+        self.fc = nn.Linear(2 * hidden, hidden, bias=bool(config.get("bias", True)), **factory)
+        self.layers = nn.ModuleList([DecoderLayer(config, input_layernorm=False, **factory)])
+        self.rotary = Rotary(config, self.layers[0].self_attn.head_dim)
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """One layer ``[num_slots, max_len, 2, nkv, head_dim]``, first position 1."""
+        entry = kv_entry_shape(self.layers[0].self_attn)
+        weight = self.fc.weight
+        return KVCache.allocate(1, num_slots, max_len, entry, dtype=weight.dtype, device=weight.device, first_position=1)
+
+    def step(self, batch: ForwardBatch, features: Tensor, cache: KVCache) -> Tensor:
+        """``features [T, H]`` (target hidden or the draft's own output) -> draft output ``[T, H]``."""
+        cache.begin_forward(batch)
+        x = self.fc(torch.cat([self.target_embed(batch.input_ids), features.to(self.fc.weight.dtype)], dim=-1))
+        layout = RaggedLayout.build(batch, first_position=cache.first_position)
+        return self.layers[0](x, batch.positions, self.rotary(batch.positions), layout, cache.layers[0])
+
+    def next_tokens(self, hidden: Tensor) -> Tensor:
+        """``hidden [B, H]`` -> argmax of the target's head ``[B]`` int64."""
+        return self.target_lm_head(hidden).argmax(dim=-1)
+
+    def propose(self, inp: DraftInput, cache: KVCache, num_tokens: int) -> DraftProposal:
+        """Greedy EAGLE proposals ``tokens [B, num_tokens]``; ``probs`` None (deterministic)."""
+        if inp.hidden is None:
+            raise ValueError("the EAGLE draft needs DraftInput.hidden: the target's last hidden state [T, H]")
+        tokens = propose_chained(self.step, self.next_tokens, inp, inp.hidden, cache, num_tokens)
+        return DraftProposal(tokens=tokens, probs=None)
+
+
+def build(
+    config: dict[str, Any], weights: WeightReader, *, dtype: torch.dtype, device: torch.device, target: Target
+) -> Eagle:
+    """The loading registry's builder for EAGLE-1/2 checkpoints (``fc.*``, ``layers.0.*``)."""
+    if config.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"EAGLE drafts have one decoder layer, config says {config['num_hidden_layers']}")
+    draft = Eagle(config, target, dtype=dtype, device="meta").to_empty(device=device)  # weights follow
+    load_module(draft, weights, "")
+    weights.finish(ignore=[r"embed_tokens\.weight$", r"model\.embed_tokens\.weight$"])
+    return draft.eval().requires_grad_(False)

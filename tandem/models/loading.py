@@ -1,0 +1,236 @@
+"""Loading Hugging Face-format directories into providers, without network.
+
+A directory holds ``config.json`` and ``model.safetensors`` or a sharded
+``model.safetensors.index.json``. :func:`load_target` and :func:`load_draft` pick the provider
+module from a small registry keyed by the config's ``architectures`` (first) or ``model_type``;
+every provider module exposes the same builder::
+
+    build(config: dict, weights: WeightReader | None, *, dtype: torch.dtype,
+          device: torch.device, target: Target | None = None) -> Target | Draft
+
+(``target`` is None for targets; ``weights`` is None for the model-free n-gram draft.)
+Builders read tensors with ``weights.take(key, shape)``, which fails with an error naming the
+key and both shapes, and end with ``weights.finish(ignore=...)``, which names every tensor of the
+checkpoint the builder did not read.
+
+Draft kinds: ``"ngram"``, ``"mtp"`` (the MTP/NextN layer(s) after ``num_hidden_layers`` in the
+target's own checkpoint), or a path to a draft checkpoint (EAGLE, EAGLE-3, NextN).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from tandem.models.base import Draft, Target
+
+TARGET_MODULES = {  # config model_type -> provider module
+    "llama": "tandem.models.llama3",
+    "deepseek_v3": "tandem.models.deepseek_v3",
+}
+DRAFT_MODULES = {  # config architectures[0] (or a kind name) -> provider module
+    "ngram": "tandem.models.ngram",
+    "mtp": "tandem.models.mtp",
+    "DeepseekV3ForCausalLMNextN": "tandem.models.mtp",
+    "EagleLlamaForCausalLM": "tandem.models.eagle",
+    "LlamaForCausalLMEagle": "tandem.models.eagle",
+    "LlamaForCausalLMEagle3": "tandem.models.eagle3",
+    "Eagle3LlamaForCausalLM": "tandem.models.eagle3",
+    "Eagle3DeepseekV2ForCausalLM": "tandem.models.eagle3",
+    "Eagle3DeepseekV3ForCausalLM": "tandem.models.eagle3",
+}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match what the model expects (missing, misshapen or unused tensors)."""
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of a model directory."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found: expected a Hugging Face model directory")
+    return json.loads(file.read_text())
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, config: dict[str, Any]) -> torch.dtype:
+    """``dtype`` if given, else the config's ``dtype``/``torch_dtype``, else float32 (bf16/fp16/fp32 only)."""
+    if dtype is None:
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported (expected one of {sorted(DTYPES)})")
+        dtype = DTYPES[dtype.removeprefix("torch.")]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype {dtype} is not supported (expected one of {sorted(DTYPES)})")
+    return dtype
+
+
+class WeightReader:
+    """Lazy reader over ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
+
+    ``take(key, shape)`` returns a tensor converted to the reader's ``dtype`` on its ``device``
+    and records the key as used; :meth:`finish` then names every tensor nobody took.
+    """
+
+    def __init__(self, path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.path = Path(path)
+        self.dtype, self.device = dtype, torch.device(device)
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.is_file():
+            self._shard_of = {key: self.path / shard for key, shard in json.loads(index.read_text())["weight_map"].items()}
+        elif single.is_file():
+            with safe_open(single, framework="pt") as f:
+                self._shard_of = {key: single for key in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.path}: neither model.safetensors nor model.safetensors.index.json")
+        self._handles: dict[Path, Any] = {}
+        self._used: set[str] = set()
+
+    def keys(self) -> list[str]:
+        return sorted(self._shard_of)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._shard_of
+
+    def _open(self, key: str):
+        shard = self._shard_of[key]
+        if shard not in self._handles:
+            if not shard.is_file():
+                raise CheckpointError(f"{self.path}: shard {shard.name} (holding {key!r}) is missing")
+            self._handles[shard] = safe_open(shard, framework="pt", device="cpu")
+        return self._handles[shard]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape of ``key`` (reads no data)."""
+        self._require(key, None)
+        return tuple(self._open(key).get_slice(key).get_shape())
+
+    def _require(self, key: str, shape: tuple[int, ...] | None) -> None:
+        if key not in self._shard_of:
+            close = difflib.get_close_matches(key, self._shard_of, n=3, cutoff=0.6)
+            hint = f"; similar keys: {close}" if close else ""
+            raise CheckpointError(f"{self.path}: missing tensor {key!r} (expected shape {shape}){hint}")
+
+    def take(self, key: str, shape: tuple[int, ...] | None = None, *, dtype: torch.dtype | None = None) -> Tensor:
+        """Tensor ``key`` checked against ``shape`` (None: any), as ``dtype`` (default: the reader's).
+
+        Raises :class:`CheckpointError` naming the key, the expected and the found shape.
+        """
+        self._require(key, shape)
+        tensor = self._open(key).get_tensor(key)
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{self.path}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
+            )
+        if not (tensor.is_floating_point() or dtype is not None):
+            raise CheckpointError(f"{self.path}: tensor {key!r} has dtype {tensor.dtype}, expected a float tensor")
+        if tensor.dtype.itemsize == 1 and tensor.is_floating_point():
+            raise CheckpointError(f"{self.path}: tensor {key!r} is {tensor.dtype}: dequantize the checkpoint first")
+        self._used.add(key)
+        return tensor.to(device=self.device, dtype=dtype or self.dtype)
+
+    def unused(self, ignore: Iterable[str] = ()) -> list[str]:
+        """Keys nobody took, except those matching a regex in ``ignore`` (``re.match``)."""
+        patterns = [re.compile(p) for p in ignore]
+        return [k for k in self.keys() if k not in self._used and not any(p.match(k) for p in patterns)]
+
+    def finish(self, ignore: Iterable[str] = ()) -> None:
+        """Raise :class:`CheckpointError` listing the unused keys (beyond ``ignore``); close the shards."""
+        left = self.unused(ignore)
+        self._handles.clear()
+        if left:
+            shown = left[:20] + ([f"... {len(left) - 20} more"] if len(left) > 20 else [])
+            raise CheckpointError(f"{self.path}: {len(left)} tensors were not used by the model: {shown}")
+
+
+def _module(registry: dict[str, str], name: str, what: str, where: Path | str):
+    """Import the provider module registered under ``name``; ``what``/``where`` go into the error."""
+    if name not in registry:
+        raise ValueError(f"{where}: unknown {what} {name!r}: supported are {sorted(registry)}")
+    return importlib.import_module(registry[name])
+
+
+def load_target(
+    path: str | Path, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None
+) -> Target:
+    """Build the target model of HF directory ``path`` (dispatch on ``config["model_type"]``)."""
+    path = Path(path)
+    config = read_config(path)
+    module = _module(TARGET_MODULES, config.get("model_type", "<none>"), "target model_type", path / "config.json")
+    dtype = resolve_dtype(dtype, config)
+    device = torch.device(device or "cpu")
+    target = module.build(config, WeightReader(path, dtype=dtype, device=device), dtype=dtype, device=device)
+    target.checkpoint_dir = path
+    return target
+
+
+def draft_kind(config: dict[str, Any], weights: WeightReader) -> str:
+    """The :data:`DRAFT_MODULES` key of a draft checkpoint.
+
+    Reads ``architectures[0]``; a plain ``LlamaForCausalLM`` (how EAGLE-1 Llama-3 drafts are
+    published) is told apart by its ``fc.weight``: ``[H, 2H]`` is EAGLE, ``[H, 3H]`` EAGLE-3.
+    """
+    arch = (config.get("architectures") or [config.get("model_type", "<none>")])[0]
+    if arch in DRAFT_MODULES:
+        return arch
+    if "fc.weight" in weights:
+        out_features, in_features = weights.shape("fc.weight")
+        return {2: "LlamaForCausalLMEagle", 3: "LlamaForCausalLMEagle3"}.get(in_features // out_features, arch)
+    return arch
+
+
+def load_draft(
+    path_or_kind: str | Path,
+    target: Target,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> Draft:
+    """Build a draft for ``target``: ``"ngram"``, ``"mtp"``, or a draft checkpoint directory.
+
+    ``dtype``/``device`` default to the target's (its first parameter's) when it has any.
+    """
+    target_param = next(iter(getattr(target, "parameters", lambda: iter(()))()), None)
+    if dtype is None and target_param is not None:
+        dtype = target_param.dtype
+    device = torch.device(device or (target_param.device if target_param is not None else "cpu"))
+    if path_or_kind == "ngram":
+        module = _module(DRAFT_MODULES, "ngram", "draft", "ngram")
+        return module.build({}, None, dtype=resolve_dtype(dtype, {}), device=device, target=target)
+    if path_or_kind == "mtp":
+        if target.checkpoint_dir is None:
+            raise ValueError("draft 'mtp' reads the target's checkpoint, but this target has no checkpoint_dir")
+        path, config, kind = target.checkpoint_dir, target.config, "mtp"
+        weights = WeightReader(path, dtype=resolve_dtype(dtype, config), device=device)
+    else:
+        path = Path(path_or_kind)
+        config = read_config(path)
+        weights = WeightReader(path, dtype=resolve_dtype(dtype, config), device=device)
+        kind = draft_kind(config, weights)
+    module = _module(DRAFT_MODULES, kind, "draft architecture", path / "config.json")
+    return module.build(config, weights, dtype=weights.dtype, device=device, target=target)
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of HF directory ``path`` via transformers (local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+@torch.no_grad()
+def load_module(module: torch.nn.Module, weights: WeightReader, prefix: str) -> None:
+    """Fill every parameter ``name`` of ``module`` from checkpoint key ``prefix + name`` (shape-checked)."""
+    for name, param in module.named_parameters():
+        param.copy_(weights.take(prefix + name, tuple(param.shape)))

@@ -1,0 +1,177 @@
+"""DeepSeek-V3 feed-forward blocks: the SwiGLU MLP and the routed mixture of experts.
+
+Routing (DeepSeek-V3 "noaux_tc", as in the reference code and transformers 5.23):
+
+    s      = sigmoid(x @ W_gate^T)                        # [T, E] float32 affinities
+    c      = s + e_score_correction_bias                  # biased scores: for SELECTION only
+    g      = sum of the top-2 of c within each of n_group groups
+    keep the topk_group best groups, mask the other groups' experts to -inf in c
+    experts = top-k of masked c                            # [T, k]
+    weights = s[experts] (unbiased), / their sum if norm_topk_prob, * routed_scaling_factor
+    y = sum_k weights_k * expert_k(x) + shared_experts(x)
+
+Every ``load`` method takes ``take(key, shape, *, dtype) -> Tensor`` (``WeightReader.take``, which
+raises an error naming the key and both shapes) and the module's key prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+TakeFn = Callable[..., Tensor]  # WeightReader.take: (key, shape, *, dtype) -> Tensor
+
+
+@torch.no_grad()
+def load_param(param: Tensor, take: TakeFn, key: str) -> None:
+    """Copy checkpoint tensor ``key`` (shape checked against ``param``) into ``param``, in param's dtype."""
+    param.copy_(take(key, tuple(param.shape), dtype=param.dtype))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward ``down(silu(gate(x)) * up(x))``: ``x: [T, H] -> [T, H]``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, **factory):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def load(self, take: TakeFn, prefix: str) -> None:
+        """Read ``{prefix}{gate,up,down}_proj.weight``."""
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            load_param(getattr(self, name).weight, take, f"{prefix}{name}.weight")
+
+
+class GroupLimitedRouter(nn.Module):
+    """Sigmoid-scored, group-limited top-k router with a selection-only correction bias.
+
+    Scoring runs in float32 whatever the model dtype (the bias is stored in float32, as
+    transformers keeps it).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+        **factory,
+    ):
+        super().__init__()
+        if num_experts % n_group or num_experts // n_group < 2:
+            raise ValueError(
+                f"n_routed_experts={num_experts} must split into n_group={n_group} groups of at least 2 experts"
+            )
+        if not 1 <= topk_group <= n_group or not 1 <= top_k <= topk_group * (num_experts // n_group):
+            raise ValueError(
+                f"num_experts_per_tok={top_k} experts cannot be picked from topk_group={topk_group} of "
+                f"n_group={n_group} groups of {num_experts // n_group} experts"
+            )
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
+        device = factory.get("device")
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(num_experts, dtype=torch.float32, device=device))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Route ``x: [T, H]``. Returns ``(weights [T, k] float32, experts [T, k] int64)``."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        biased = scores + self.e_score_correction_bias
+        grouped = biased.view(x.shape[0], self.n_group, -1)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        kept_groups = group_scores.topk(self.topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+        biased = grouped.masked_fill(~group_mask[..., None], float("-inf")).flatten(1)
+        experts = biased.topk(self.top_k, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, experts
+
+    def load(self, take: TakeFn, prefix: str) -> None:
+        """Read ``{prefix}weight [E, H]`` and ``{prefix}e_score_correction_bias [E]``."""
+        load_param(self.weight, take, f"{prefix}weight")
+        load_param(self.e_score_correction_bias, take, f"{prefix}e_score_correction_bias")
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights, dispatched by sorting (token, expert) pairs by expert.
+
+    The loop runs over experts that received tokens (never over tokens); each expert's
+    outputs are weighted and scattered back with ``index_add_``.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, **factory):
+        super().__init__()
+        self.gate = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size, **factory))
+        self.up = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size, **factory))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+
+    def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """``x: [T, H]``, ``weights: [T, k] float32``, ``experts: [T, k] int64`` -> ``[T, H]`` in x's dtype."""
+        top_k = experts.shape[1]
+        flat_experts = experts.flatten()
+        order = flat_experts.argsort(stable=True)  # (token, choice) pairs grouped by expert
+        tokens = order // top_k
+        counts = torch.bincount(flat_experts, minlength=self.gate.shape[0]).tolist()
+        outputs = []
+        for expert, rows in enumerate(x[tokens].split(counts)):
+            if rows.shape[0]:
+                hidden = F.silu(rows @ self.gate[expert].T) * (rows @ self.up[expert].T)
+                outputs.append(hidden @ self.down[expert].T)
+        routed = torch.cat(outputs) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, routed.to(x.dtype))
+
+    def load(self, take: TakeFn, prefix: str) -> None:
+        """Read ``{prefix}{e}.{gate,up,down}_proj.weight`` for every expert e (the published layout)."""
+        for expert in range(self.gate.shape[0]):
+            for name, stacked in (("gate_proj", self.gate), ("up_proj", self.up), ("down_proj", self.down)):
+                load_param(stacked[expert], take, f"{prefix}{expert}.{name}.weight")
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts plus always-on shared experts: ``x: [T, H] -> [T, H]``.
+
+    Args:
+        config: the HF config dict (``n_routed_experts``, ``num_experts_per_tok``, ``n_group``,
+            ``topk_group``, ``norm_topk_prob``, ``routed_scaling_factor``, ``moe_intermediate_size``,
+            ``n_shared_experts``, ``hidden_size``).
+    """
+
+    def __init__(self, config: dict, **factory):
+        super().__init__()
+        hidden, inter = config["hidden_size"], config["moe_intermediate_size"]
+        self.gate = GroupLimitedRouter(
+            hidden,
+            config["n_routed_experts"],
+            config["num_experts_per_tok"],
+            config.get("n_group") or 1,
+            config.get("topk_group") or 1,
+            bool(config.get("norm_topk_prob", True)),
+            float(config.get("routed_scaling_factor", 1.0)),
+            **factory,
+        )
+        self.experts = RoutedExperts(hidden, inter, config["n_routed_experts"], **factory)
+        n_shared = config.get("n_shared_experts") or 0
+        self.shared_experts = GatedMLP(hidden, inter * n_shared, **factory) if n_shared else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.experts(x, *self.gate(x))
+        return out + self.shared_experts(x) if self.shared_experts is not None else out
+
+    def load(self, take: TakeFn, prefix: str) -> None:
+        """Read ``{prefix}gate.*``, ``{prefix}experts.{e}.*`` and ``{prefix}shared_experts.*``."""
+        self.gate.load(take, f"{prefix}gate.")
+        self.experts.load(take, f"{prefix}experts.")
+        if self.shared_experts is not None:
+            self.shared_experts.load(take, f"{prefix}shared_experts.")
