@@ -13,6 +13,7 @@ import sys
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tandem.generate", "generate a reasoned answer for one prompt (demo model by default)"),
+    "serve": ("tandem.serve.server", "OpenAI-compatible HTTP server (chat, completions, JSON schema, tools)"),
     "bench": ("tandem.bench", "speculative vs plain decoding on the demo models (JSON)"),
     "demo": ("tandem.decoding.demo", "run the acceptance pipeline on a synthetic mixed batch"),
     "eval-schemas": ("tandem.grammars.evaluate", "check grammar backends against MaskBench schemas"),

@@ -63,14 +63,14 @@ class LLM:
         job = self.engine.compile_grammar(params)
         if job is not None:
             job.result()  # raises the grammar's error (invalid, refused, timed out) before anything runs
-        ids = [self.engine.add_request(self._encode(p), params) for p in _as_list(prompts)]
+        ids = [self.engine.add_request(self.encode(p), params) for p in _as_list(prompts)]
         while self.engine.has_unfinished():
             self.engine.step()
         return [self.engine.pop_finished(request_id) for request_id in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield the request's new reasoning/answer text step by step; the last delta has a finish_reason."""
-        request_id = self.engine.add_request(self._encode(prompt), params or SamplingParams())
+        request_id = self.engine.add_request(self.encode(prompt), params or SamplingParams())
         try:
             while True:
                 for delta in self.engine.step():
@@ -95,11 +95,15 @@ class LLM:
         params = params or SamplingParams()
         if response_format is not None:
             params = SamplingParams(**{**params.__dict__, "json_schema": response_format})
-        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return self.generate([ids], params)[0]
+        return self.generate([self.chat_prompt(messages, tools)], params)[0]
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The prompt ids of a chat turn: the tokenizer's chat template with the generation prompt."""
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        return self.encode(prompt)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text prompt (no special tokens added); ids pass through as ints."""
         if isinstance(prompt, str):
             return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return [int(t) for t in prompt]

@@ -1,0 +1,247 @@
+"""The FastAPI application: routes, request parsing and error handling.
+
+`create_app(llm, ...)` wires an `LLM`'s engine to an `EngineRunner` (started and stopped with
+the app's lifespan). Routes: `GET /health`, `GET /metrics`, `GET /v1/models`,
+`POST /v1/completions` and `POST /v1/chat/completions` (JSON or SSE streaming). Every error is
+an OpenAI error object (see `errors.py`); bodies are parsed by hand so that malformed JSON and
+invalid fields both come back as 400 naming the field, as OpenAI does (never FastAPI's 422).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import jinja2
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from tandem.decoding.output import RequestOutput
+from tandem.llm import LLM
+from tandem.serve import responses, tools
+from tandem.serve.errors import APIError, from_exception, from_validation, invalid
+from tandem.serve.metrics import Metrics
+from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tandem.serve.runner import EngineRunner, Generation, Job
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks that its client is still there
+Body = TypeVar("Body", bound=SamplingRequest)
+
+
+class Server:
+    """The state the routes share: the model, its engine thread and the metrics."""
+
+    def __init__(self, llm: LLM, model_name: str, draft: str | None) -> None:
+        self.llm, self.model_name, self.draft = llm, model_name, draft
+        self.metrics = Metrics()
+        self.runner = EngineRunner(llm.engine, self.metrics)
+        self.created = int(time.time())
+
+    async def parse(self, request: Request, body_type: type[Body]) -> Body:
+        """The request body as `body_type`; 400 for malformed JSON or invalid fields, 404 for another model."""
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise invalid(f"request body is not valid JSON: {error}", code="invalid_json") from None
+        try:
+            body = body_type.model_validate(data)
+        except pydantic.ValidationError as error:
+            raise from_validation(error) from None
+        if body.model != self.model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+        return body
+
+    def context(self, object_prefix: str) -> responses.ResponseContext:
+        return responses.ResponseContext(object_prefix, self.model_name, self.draft, self.llm.engine.k)
+
+    def jobs(self, body: SamplingRequest, prompt: list[int], schema: dict | bool | None, prompt_param: str) -> list[Job]:
+        """The engine requests of one prompt: one per choice, max_tokens defaulting to the room left."""
+        engine = self.llm.engine
+        room = engine.config.max_model_len - len(prompt) - engine.k - 1
+        budget = body.token_budget()
+        if budget is not None and 1 <= room < budget:
+            raise invalid(f"prompt has {len(prompt)} tokens and {budget} new tokens were asked for, but the context "
+                          f"is {engine.config.max_model_len} tokens ({engine.k + 1} reserved for speculation): "
+                          f"at most {room} new tokens fit", param=prompt_param, code="context_length_exceeded")
+        try:
+            return [(prompt, params) for params in body.sampling_params(budget or max(room, 1), schema)]
+        except ValueError as error:
+            raise invalid(str(error), code="invalid_value") from None
+
+    async def start(self, jobs: list[Job], schema_param: str, prompt_param: str) -> Generation:
+        """Submit the jobs and wait until the engine admitted them; their errors become APIErrors."""
+        generation = self.runner.submit(jobs)
+        try:
+            await generation.admitted()
+        except Exception as error:
+            raise from_exception(error, schema_param=schema_param, prompt_param=prompt_param) from None
+        return generation
+
+
+def create_app(llm: LLM, model_name: str, draft: str | None) -> FastAPI:
+    """The OpenAI-compatible app over `llm` (whose engine only the app's runner thread may touch
+    from now on), serving it as `model_name`; `draft` names the draft in responses."""
+    server = Server(llm, model_name, draft)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        server.runner.start()
+        yield
+        server.runner.stop()
+
+    app = FastAPI(title="tandem", lifespan=lifespan)
+    app.state.server = server
+
+    def respond(error: APIError) -> JSONResponse:
+        server.metrics.record_rejected(error.status)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        return respond(error)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:  # unknown route, wrong method
+        return respond(APIError(error.status_code, str(error.detail)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        return respond(APIError(500, f"internal error: {type(error).__name__}: {error}", type="internal_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine thread runs, else 503."""
+        alive = server.runner.alive
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": server.created, "owned_by": "tandem",
+                "max_model_len": llm.engine.config.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await server.parse(request, ChatCompletionRequest)
+        plan = tools.plan(body)
+        try:
+            prompt = llm.chat_prompt([m.template_dict() for m in body.messages],
+                                     [tool.model_dump(exclude_none=True) for tool in plan.tools] or None)
+        except jinja2.TemplateError as error:
+            raise invalid(f"the chat template cannot render these messages: {error}", param="messages") from None
+        generation = await server.start(server.jobs(body, prompt, plan.schema, "messages"), plan.schema_param, "messages")
+        ctx = server.context("chatcmpl")
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _event_stream(_chat_stream(generation, ctx, len(prompt), plan.tools, include_usage))
+        outputs = await _collect(generation, request)
+        return JSONResponse(responses.chat_completion(ctx, len(prompt), outputs, plan.tools))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await server.parse(request, CompletionRequest)
+        prompts = [llm.encode(prompt) for prompt in body.prompts()]
+        schema = body.output_schema()
+        jobs = [job for prompt in prompts for job in server.jobs(body, prompt, schema, "prompt")]
+        generation = await server.start(jobs, "response_format", "prompt")
+        ctx, prompt_tokens = server.context("cmpl"), sum(len(prompt) for prompt in prompts)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _event_stream(_completion_stream(generation, ctx, prompt_tokens, include_usage))
+        outputs = await _collect(generation, request)
+        return JSONResponse(responses.completion(ctx, prompt_tokens, outputs))
+
+    return app
+
+
+async def _collect(generation: Generation, request: Request) -> list[RequestOutput]:
+    """Every choice's final output, in choice order; aborts the generation if the client leaves."""
+    outputs: list[RequestOutput | None] = [None] * len(generation.jobs)
+    watcher = asyncio.create_task(_abort_on_disconnect(request, generation))
+    try:
+        async for event in generation.events():
+            if event.output is not None:
+                outputs[event.index] = event.output
+    finally:
+        watcher.cancel()
+        generation.abort()
+    if any(output.finish_reason == "abort" for output in outputs):
+        raise APIError(499, "client closed the request", code="client_closed_request")
+    return outputs
+
+
+async def _abort_on_disconnect(request: Request, generation: Generation) -> None:
+    while not generation.finished:
+        if await request.is_disconnected():
+            generation.abort()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _chat_stream(generation: Generation, ctx: responses.ResponseContext, prompt_tokens: int,
+                       call_tools: list[tools.Tool], include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks of a chat completion. Reasoning streams as it comes; so does the answer, except
+    when it may be a tool call: then it is held and sent whole (as `tool_calls` or `content`) at the end."""
+    outputs: list[RequestOutput] = []
+    try:
+        for index in range(len(generation.jobs)):
+            yield responses.sse(responses.chat_chunk(ctx, index, {"role": "assistant", "content": ""}))
+        async for event in generation.events():
+            if event.delta is not None:
+                delta = responses.reasoning_fields(event.delta.reasoning)
+                if event.delta.text and not call_tools:
+                    delta["content"] = event.delta.text
+                if delta:
+                    yield responses.sse(responses.chat_chunk(ctx, event.index, delta))
+                continue
+            outputs.append(event.output)
+            delta, finish_reason = {}, event.output.finish_reason
+            if call_tools:
+                message, finish_reason = responses.chat_message(event.output, call_tools)
+                calls = message.get("tool_calls")
+                delta = {"tool_calls": [{"index": 0, **calls[0]}]} if calls else {"content": message["content"]}
+            yield responses.sse(responses.chat_chunk(ctx, event.index, delta, finish_reason))
+        if include_usage:
+            yield responses.sse(responses.usage_chunk(ctx, "chat.completion.chunk", prompt_tokens, outputs))
+        yield responses.sse("[DONE]")
+    except Exception as error:  # the engine failed mid-stream: the status line is gone, say it in-band
+        yield responses.sse(from_exception(error, schema_param="response_format", prompt_param="messages").body())
+    finally:
+        generation.abort()
+
+
+async def _completion_stream(generation: Generation, ctx: responses.ResponseContext, prompt_tokens: int,
+                             include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks of a text completion: each choice's answer (and reasoning) as it is generated."""
+    outputs: list[RequestOutput] = []
+    try:
+        async for event in generation.events():
+            if event.delta is not None:
+                choice = responses.completion_choice(event.index, event.delta.text, event.delta.reasoning, None)
+            else:
+                outputs.append(event.output)
+                choice = responses.completion_choice(event.index, "", "", event.output.finish_reason)
+            yield responses.sse({**ctx.envelope("text_completion"), "choices": [choice]})
+        if include_usage:
+            yield responses.sse(responses.usage_chunk(ctx, "text_completion", prompt_tokens, outputs))
+        yield responses.sse("[DONE]")
+    except Exception as error:
+        yield responses.sse(from_exception(error, schema_param="response_format", prompt_param="prompt").body())
+    finally:
+        generation.abort()

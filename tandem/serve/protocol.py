@@ -1,0 +1,190 @@
+"""Request bodies of the OpenAI-compatible API, validated with pydantic.
+
+`ChatCompletionRequest` and `CompletionRequest` share the sampling fields of `SamplingRequest`;
+`SamplingRequest.sampling_params` turns them into one `SamplingParams` per choice (n choices,
+derived seeds). Ranges follow OpenAI's where it defines them; a violation is reported by
+`errors.from_validation` as a 400 naming the field. Fields OpenAI defines and tandem does not
+implement are ignored, as are unknown fields.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tandem.decoding.params import SamplingParams
+
+MAX_N = 8  # choices per request; each one is a row of the engine batch
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+SEED_MODULUS = 2**63  # choice i of a seeded request samples with seed (seed + i) mod this
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class JSONSchemaFormat(_Body):
+    """`response_format.json_schema`. tandem always enforces the schema exactly (or refuses it),
+    so `strict` is accepted for compatibility and changes nothing."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Body):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaResponseFormat, Field(discriminator="type")]
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Body):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, description="-1 or 0: off (vLLM's and tandem's conventions)")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if stops is not None and (len(stops) > MAX_STOP or not all(stops)):
+            raise ValueError(f"at most {MAX_STOP} non-empty strings")
+        return stops
+
+    def output_schema(self) -> dict[str, Any] | bool | None:
+        """The JSON schema `response_format` puts on the answer, or None for free text."""
+        if isinstance(self.response_format, JSONObjectFormat):
+            return {"type": "object"}
+        if isinstance(self.response_format, JSONSchemaResponseFormat):
+            return self.response_format.json_schema.schema_
+        return None
+
+    def token_budget(self) -> int | None:
+        """The request's cap on new tokens (None: up to the context length)."""
+        return self.max_tokens
+
+    def sampling_params(self, max_tokens: int, json_schema: dict[str, Any] | bool | None) -> list[SamplingParams]:
+        """One SamplingParams per choice; choice i of a seeded request uses seed + i."""
+        return [
+            SamplingParams(
+                temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+                seed=None if self.seed is None else (self.seed + i) % SEED_MODULUS,
+                max_tokens=max_tokens, stop=self.stop, json_schema=json_schema,
+            )
+            for i in range(self.n)
+        ]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: text parts joined, `developer` read as `system`."""
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return message
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+    def token_budget(self) -> int | None:
+        """`max_completion_tokens` (OpenAI's current name) or else `max_tokens`."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: str | list) -> str | list:
+        if isinstance(prompt, list) and (not prompt or any(isinstance(p, (str, list)) and not p for p in prompt)):
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request (one, or a batch)."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)

@@ -1,0 +1,112 @@
+"""Response bodies and streaming chunks of the OpenAI-compatible API, built from engine outputs.
+
+Reasoning (text inside `<think>…</think>`) is returned as `reasoning_content` and, for clients
+that read the newer name, `reasoning`; the answer is `content`. Speculative-decoding counters
+ride along in the extra top-level field `speculative_decoding` (non-streaming responses and the
+streaming usage chunk).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.decoding.output import GenerationStats, RequestOutput
+from tandem.serve import tools
+from tandem.serve.protocol import Tool
+
+
+@dataclass(frozen=True)
+class ResponseContext:
+    """What every body of one response repeats: its id, creation time and model, and the draft."""
+
+    object_prefix: str  # "chatcmpl" | "cmpl"
+    model: str
+    draft: str | None
+    num_speculative_tokens: int
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", f"{self.object_prefix}-{uuid.uuid4().hex}")
+        object.__setattr__(self, "created", int(time.time()))
+
+    def envelope(self, object_type: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_type, "created": self.created, "model": self.model}
+
+    def speculative(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """The summed speculative-decoding counters of `outputs`, with the draft that produced them."""
+        total = GenerationStats()
+        for output in outputs:
+            total.steps += output.stats.steps
+            total.drafted += output.stats.drafted
+            total.accepted += output.stats.accepted
+        rate = total.accepted / total.drafted if total.drafted else 0.0
+        return {"draft": self.draft, "num_speculative_tokens": self.num_speculative_tokens, **total.as_dict(),
+                "acceptance_rate": round(rate, 4)}
+
+
+def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict[str, int]:
+    """OpenAI usage counts; completion tokens include reasoning and thinking markers."""
+    completion = sum(len(output.token_ids) for output in outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def reasoning_fields(reasoning: str) -> dict[str, str]:
+    """The reasoning under both names clients read it by (empty dict for no reasoning)."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
+
+
+def chat_message(output: RequestOutput, call_tools: list[Tool]) -> tuple[dict[str, Any], str]:
+    """The assistant message of one choice and its finish reason; an answer that is a call of one of
+    `call_tools` becomes `tool_calls` with finish reason "tool_calls"."""
+    call = tools.parse_call(output.text, call_tools) if call_tools and output.finish_reason == "stop" else None
+    message: dict[str, Any] = {"role": "assistant", "content": None if call else output.text,
+                               **reasoning_fields(output.reasoning)}
+    if call is not None:
+        message["tool_calls"] = [call]
+        return message, "tool_calls"
+    return message, output.finish_reason
+
+
+def chat_completion(ctx: ResponseContext, prompt_tokens: int, outputs: list[RequestOutput],
+                    call_tools: list[Tool]) -> dict[str, Any]:
+    """A `chat.completion` body; choice i is outputs[i]."""
+    choices = []
+    for index, output in enumerate(outputs):
+        message, finish_reason = chat_message(output, call_tools)
+        choices.append({"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None})
+    return {**ctx.envelope("chat.completion"), "choices": choices, "usage": usage(prompt_tokens, outputs),
+            "speculative_decoding": ctx.speculative(outputs)}
+
+
+def chat_chunk(ctx: ResponseContext, index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    """A `chat.completion.chunk` carrying one choice's delta."""
+    choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    return {**ctx.envelope("chat.completion.chunk"), "choices": [choice]}
+
+
+def completion_choice(index: int, text: str, reasoning: str, finish_reason: str | None) -> dict[str, Any]:
+    """One `text_completion` choice; reasoning, if the model thought, under the chat names."""
+    return {"index": index, "text": text, **reasoning_fields(reasoning), "finish_reason": finish_reason, "logprobs": None}
+
+
+def completion(ctx: ResponseContext, prompt_tokens: int, outputs: list[RequestOutput]) -> dict[str, Any]:
+    """A `text_completion` body; choice i is outputs[i]."""
+    choices = [completion_choice(i, out.text, out.reasoning, out.finish_reason) for i, out in enumerate(outputs)]
+    return {**ctx.envelope("text_completion"), "choices": choices, "usage": usage(prompt_tokens, outputs),
+            "speculative_decoding": ctx.speculative(outputs)}
+
+
+def usage_chunk(ctx: ResponseContext, object_type: str, prompt_tokens: int, outputs: list[RequestOutput]) -> dict[str, Any]:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, usage and stats."""
+    return {**ctx.envelope(object_type), "choices": [], "usage": usage(prompt_tokens, outputs),
+            "speculative_decoding": ctx.speculative(outputs)}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event: `data: <json>` (or a literal such as [DONE]) and a blank line."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"

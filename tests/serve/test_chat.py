@@ -1,0 +1,179 @@
+"""Chat and text completions through the official openai client, against a real server."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from openai import OpenAI
+
+from tandem.demo.corpus import CONTACT_SCHEMA, SEARCH_TOOL, TOOLS, WEATHER_TOOL
+from tandem.llm import best_draft, resolve_model
+from tests.serve.conftest import MODEL
+
+ARITHMETIC = [{"role": "user", "content": "What is 7 + 5?"}]
+CONTACT = [{"role": "user", "content": "Extract the contact details from this text: Bob Smith is 33 years old "
+                                       "and lives in Rome. You can reach them at bob.smith@mail.com."}]
+WEATHER = [{"role": "user", "content": "What will the weather be in Paris over the next 3 days? Use celsius."}]
+
+
+def _chat(client: OpenAI, messages=ARITHMETIC, **kwargs):
+    kwargs = {"temperature": 0, "max_tokens": 16, **kwargs}
+    return client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_health_is_ok(http):
+    assert http.get("/health").json() == {"status": "ok"}
+
+
+def test_reasoning_and_answer_are_split(client):
+    response = _chat(client, max_tokens=60)
+    message = response.choices[0].message
+    assert message.reasoning_content and message.reasoning == message.reasoning_content
+    assert "<think>" not in message.reasoning_content and "</think>" not in message.content
+    assert message.content.startswith("{")
+
+
+def test_usage_counts_prompt_and_generated_tokens(client, server):
+    response = _chat(client, max_tokens=8)
+    llm = server.app.state.server.llm
+    assert response.usage.prompt_tokens == len(llm.chat_prompt(ARITHMETIC))
+    assert response.usage.completion_tokens == 8  # the first tokens are reasoning: no early stop
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 8
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_speculative_stats_ride_in_their_own_field(client):
+    stats = _chat(client, max_tokens=12).speculative_decoding
+    assert stats["draft"] == best_draft(resolve_model(MODEL)) and stats["num_speculative_tokens"] == 4
+    assert 1 <= stats["steps"] <= 12 and 0 <= stats["accepted"] <= stats["drafted"]
+    assert stats["mean_accepted_length"] == pytest.approx((stats["accepted"] + stats["steps"]) / stats["steps"], abs=1e-3)
+
+
+def test_json_schema_answer_is_valid(client):
+    response = _chat(client, CONTACT, max_tokens=120,
+                     response_format={"type": "json_schema", "json_schema": {"name": "contact", "schema": CONTACT_SCHEMA}})
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.reasoning_content  # the schema applies to the answer only
+    jsonschema.validate(json.loads(choice.message.content), CONTACT_SCHEMA)
+
+
+def test_json_object_answer_is_an_object(client):
+    response = _chat(client, max_tokens=80, response_format={"type": "json_object"})
+    assert response.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(response.choices[0].message.content), dict)
+
+
+def test_streaming_matches_non_streaming(client):
+    whole = _chat(client, max_tokens=40)
+    chunks = list(_chat(client, max_tokens=40, stream=True, stream_options={"include_usage": True}))
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert deltas[0].role == "assistant"
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    assert (reasoning, content) == (whole.choices[0].message.reasoning_content, whole.choices[0].message.content)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert chunks[-1].speculative_decoding["steps"] >= 1
+
+
+def test_n_choices_with_one_seed_are_reproducible(client):
+    kwargs = {"temperature": 1.0, "seed": 1234, "max_tokens": 12}
+    first, second = _chat(client, n=3, **kwargs), _chat(client, n=3, **kwargs)
+    texts = [c.message.reasoning_content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.reasoning_content for c in second.choices]
+    assert len(set(texts)) > 1  # derived seeds differ per choice
+    assert _chat(client, **kwargs).choices[0].message.reasoning_content == texts[0]  # choice 0 uses the seed itself
+    assert first.usage.completion_tokens == 3 * 12
+
+
+def test_stop_string_ends_the_answer(client):
+    response = _chat(client, CONTACT, max_tokens=120, stop=['"age"'])
+    assert response.choices[0].finish_reason == "stop"
+    assert response.choices[0].message.content.endswith(", ")  # cut right before the stop string
+
+
+def test_named_tool_call_follows_the_tool_schema(client):
+    response = _chat(client, WEATHER, max_tokens=80, tools=TOOLS,
+                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+
+
+def test_required_tool_call_picks_an_offered_tool(client):
+    offered = [WEATHER_TOOL, SEARCH_TOOL]
+    response = _chat(client, WEATHER, max_tokens=80, tools=offered, tool_choice="required")
+    (call,) = response.choices[0].message.tool_calls
+    tool = {t["function"]["name"]: t for t in offered}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_auto_tool_choice_returns_a_valid_call_or_an_answer(client):
+    response = _chat(client, WEATHER, max_tokens=200, tools=TOOLS, tool_choice="auto")
+    choice = response.choices[0]
+    assert choice.finish_reason in ("tool_calls", "stop")
+    if choice.finish_reason == "tool_calls":
+        (call,) = choice.message.tool_calls
+        tool = {t["function"]["name"]: t for t in TOOLS}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    else:
+        assert "arguments" not in json.loads(choice.message.content)
+
+
+def test_streamed_tool_call_arrives_whole(client):
+    chunks = list(_chat(client, WEATHER, max_tokens=80, tools=[WEATHER_TOOL], tool_choice="required", stream=True))
+    calls = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER_TOOL["function"]["parameters"])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_results_continue_the_conversation(client):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius", "days": 3}'}}
+    messages = [*WEATHER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "sunny, 21 C"}'}]
+    response = _chat(client, messages, max_tokens=8, tools=[WEATHER_TOOL])
+    assert response.usage.completion_tokens == 8
+
+
+def test_text_completion_batch_gives_a_choice_per_prompt(client):
+    response = client.completions.create(model=MODEL, prompt=["The weather in", "Contact:"], max_tokens=5,
+                                         temperature=0)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert all(c.finish_reason == "length" for c in response.choices)
+    assert response.usage.completion_tokens == 10
+
+
+def test_text_completion_streams(client):
+    whole = client.completions.create(model=MODEL, prompt="The weather in", max_tokens=6, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="The weather in", max_tokens=6, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_metrics_count_requests_and_tokens(client, http):
+    def value(text: str, name: str) -> float:
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    before = http.get("/metrics").text
+    _chat(client, max_tokens=5)
+    after = http.get("/metrics")
+    assert after.headers["content-type"].startswith("text/plain")
+    assert value(after.text, "tandem_generation_tokens_total") - value(before, "tandem_generation_tokens_total") == 5
+    assert value(after.text, 'tandem_requests_finished_total{finish_reason="length"}') == \
+        value(before, 'tandem_requests_finished_total{finish_reason="length"}') + 1
+    assert value(after.text, "tandem_step_seconds_count") > value(before, "tandem_step_seconds_count")
+    assert "tandem_draft_tokens_total" in after.text and "tandem_mean_acceptance_length" in after.text
