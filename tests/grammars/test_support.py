@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from tandem.decoding.bitmask import bitmask_width
 from tandem.grammars.backends import BACKENDS
-from tandem.grammars.compiler import GrammarCompiler
-from tandem.grammars.evaluate import honoured_labels, measure_suite
+from tandem.grammars.compiler import GrammarCompiler, compile_grammar
+from tandem.grammars.errors import GrammarError
+from tandem.grammars.evaluate import honoured_labels, instance_text, measure_suite, walk_instance
 from tandem.grammars.spec import GrammarSpec
-from tandem.grammars.support import HONOURED, schema_assertions, unhonoured
+from tandem.grammars.support import (HONOURED, HONOURED_BEYOND_SUITE, IGNORED_BEYOND_SUITE, schema_assertions,
+                                     unhonoured)
 from tests.grammars.conftest import SCHEMA_SUITE
 
 # Suite files re-measured here: cheap to compile (no outlines DFA blow-up, so no timeouts), and
@@ -55,3 +59,63 @@ def test_table_sample_matches_a_fresh_measurement(backend, tokenizer):
     honoured = set(honoured_labels(measured))
     for label in measured:
         assert (label in HONOURED[backend]) == (label in honoured), f"{backend}: {label} {measured[label]}"
+
+
+# enum/const beside keywords that rule some listed values out (MaskBench Github_easy---o30060:
+# `{"enum": ["MODIFIABLE", ...], "type": "object"}`), each with an instance that is listed but invalid.
+CONFLICTING_SIBLINGS = [
+    ({"type": "object", "properties": {"a": {"enum": ["X", "Y"], "type": "object"}}}, {"a": "X"}, "enum:unfiltered"),
+    ({"enum": ["X", 3], "type": "integer"}, "X", "enum:unfiltered"),
+    ({"enum": ["X", "YYYY"], "type": "string", "maxLength": 2}, "YYYY", "enum:unfiltered"),
+    ({"enum": [1, 5], "type": "integer", "minimum": 3}, 1, "enum:unfiltered"),
+    ({"const": "X", "type": "integer"}, "X", "const:unfiltered"),
+]
+
+
+def test_enum_and_const_are_labelled_unfiltered_only_when_a_sibling_rules_a_value_out():
+    for schema, _, label in CONFLICTING_SIBLINGS:
+        assert label in {found for _, found in schema_assertions(schema)}, schema
+    fitting = {"type": "object", "properties": {"a": {"type": "string", "enum": ["x", "y"], "maxLength": 1},
+                                                "b": {"type": ["integer", "null"], "const": None}}}
+    assert not [label for _, label in schema_assertions(fitting) if label.endswith(":unfiltered")]
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_enum_and_const_with_conflicting_siblings_are_honoured_or_refused(backend, tokenizer):
+    """Measures HONOURED_BEYOND_SUITE: a backend listed there rejects every such instance (or fails
+    to compile); the others let some through, so strict specs must be refused by them."""
+    buffer = torch.zeros(1, bitmask_width(tokenizer.vocab_size), dtype=torch.int32)
+    unsound = []
+    for schema, invalid, label in CONFLICTING_SIBLINGS:
+        try:  # non-strict: what the backend really does
+            compiled = compile_grammar(GrammarSpec.json_schema(schema, strict=False), tokenizer, backend)
+        except GrammarError:
+            continue
+        if walk_instance(compiled, tokenizer.encode(instance_text(invalid)), tokenizer.eos_token_id, buffer, []):
+            unsound.append(label)
+            assert f"/{'properties/a/' if 'properties' in schema else ''}{label.split(':')[0]}: {label}" in unhonoured(
+                GrammarSpec.json_schema(schema), backend)
+    honoured = HONOURED_BEYOND_SUITE.get(backend, frozenset())
+    assert not set(unsound) & honoured, f"{backend} lets {unsound} through but the table says it honours them"
+    assert backend not in HONOURED_BEYOND_SUITE or not unsound
+
+
+# `not` over object keywords, reduced from MaskBench Github_trivial---o91408 and Handwritten---pnmp10,
+# each with an instance the `not` rules out.
+NOT_OVER_OBJECT_KEYWORDS = [
+    ({"type": "object", "properties": {"body": {"type": "string"}, "bodyValue": {"type": "string"}},
+      "not": {"required": ["body", "bodyValue"]}}, {"body": "a", "bodyValue": "b"}),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "not": {"anyOf": [{"required": ["a"]}]}}, {"a": 1}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", sorted(IGNORED_BEYOND_SUITE))
+def test_keywords_ignored_beyond_the_suite_let_invalid_instances_through_and_are_refused(backend, tokenizer):
+    """Measures IGNORED_BEYOND_SUITE: without the override the backend is unsound on these schemas."""
+    buffer = torch.zeros(1, bitmask_width(tokenizer.vocab_size), dtype=torch.int32)
+    for schema, invalid in NOT_OVER_OBJECT_KEYWORDS:
+        compiled = compile_grammar(GrammarSpec.json_schema(schema, strict=False), tokenizer, backend)
+        assert walk_instance(compiled, tokenizer.encode(instance_text(invalid)), tokenizer.eos_token_id, buffer, [])
+        assert "/not: not" in unhonoured(GrammarSpec.json_schema(schema), backend)
+        with pytest.raises(GrammarError, match="/not: not"):
+            compile_grammar(GrammarSpec.json_schema(schema), tokenizer, backend)

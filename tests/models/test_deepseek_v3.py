@@ -61,6 +61,7 @@ def max_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
     [
         ("q_lora+yarn, sharded", {}, {"max_shard_size": "100KB"}),
         ("q_proj+default rope, tied", {"q_lora_rank": None, "rope_parameters": None, "tie_word_embeddings": True}, {}),
+        ("unnormalised top-k weights", {"norm_topk_prob": False, "routed_scaling_factor": 1.0}, {}),
     ],
 )
 def test_prefill_decode_truncate_match_transformers(tmp_path, variant, overrides, save_kwargs):
