@@ -75,7 +75,7 @@ def _bench_model(model: str, args: argparse.Namespace) -> dict:
     peers = _bench_transformers(path, examples, args)
     for row in peers:
         _log(args, f"{model:14s} transformers {row['mode']:13s} batch=1  {row['tokens_per_s']:8.1f} tok/s")
-    return {"runs": results, "transformers": peers, "ratios": _ratios(results, peers)}
+    return {"runs": results, "transformers": peers, "ratios": _ratios(results, peers, max(args.k), min(args.batch))}
 
 
 def _prompt(tokenizer, example) -> list[int]:
@@ -126,19 +126,20 @@ def _bench_transformers(path, examples, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _ratios(runs: list[dict], peers: list[dict]) -> dict:
-    """The headline ratios the issue asks for, at batch 1, greedy."""
+def _ratios(runs: list[dict], peers: list[dict], k: int, batch: int) -> dict:
+    """The headline ratios, greedy, for the largest k and the smallest batch measured (transformers
+    runs batch 1)."""
     def rate(**where):
         rows = [r for r in runs if all(r[key] == value for key, value in where.items())]
         return max((r["tokens_per_s"] for r in rows), default=None)
 
-    plain = rate(draft="none", schema=False, batch=1)
+    plain = rate(draft="none", schema=False, batch=batch)
     ratios = {"tandem_plain_vs_transformers_plain": round(plain / peers[0]["tokens_per_s"], 3)}
     for draft in sorted({r["draft"] for r in runs} - {"none"}):
-        spec = rate(draft=draft, k=4, relaxed=False, schema=False, batch=1)
-        spec_schema = rate(draft=draft, k=4, relaxed=False, schema=True, batch=1)
+        spec = rate(draft=draft, k=k, relaxed=False, schema=False, batch=batch)
+        spec_schema = rate(draft=draft, k=k, relaxed=False, schema=True, batch=batch)
         if spec is not None:
-            ratios[f"{draft}_k4_vs_plain"] = round(spec / plain, 3)
+            ratios[f"{draft}_k{k}_vs_plain"] = round(spec / plain, 3)
         if spec and spec_schema:
-            ratios[f"{draft}_k4_schema_vs_unconstrained"] = round(spec_schema / spec, 3)
+            ratios[f"{draft}_k{k}_schema_vs_unconstrained"] = round(spec_schema / spec, 3)
     return ratios

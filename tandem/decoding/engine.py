@@ -26,7 +26,7 @@ import torch
 
 from tandem.decoding.acceptance import accept
 from tandem.decoding.output import RequestOutput, StreamDelta, TextAssembler
-from tandem.decoding.params import RelaxedAcceptance, SamplingParams, batch_sampling
+from tandem.decoding.params import RelaxedAcceptance, SamplingParams, SamplingTensors, batch_sampling
 from tandem.decoding.rng import derive_seeds
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
 from tandem.grammars.compiler import CompileJob, GrammarCompiler
@@ -168,11 +168,10 @@ class Engine:
         drafts = torch.tensor([r.drafts + [PLACEHOLDER_TOKEN_ID] * (k - len(r.drafts)) for r in rows],
                               dtype=torch.int64, device=logits.device).view(len(rows), k)
         bitmask, in_thinking = self._masks(rows, drafts)
-        seeds = derive_seeds(torch.tensor([r.seed for r in rows]), torch.tensor([r.num_generated for r in rows]))
         result = accept(
             logits, drafts,
             draft_probs=self._draft_probs(rows, logits.shape[-1]),
-            sampling=batch_sampling([r.params for r in rows], seeds, logits.device),
+            sampling=self._sampling(rows, logits.device),
             bitmask=bitmask,
             in_thinking=in_thinking,
             relaxed=self.config.relaxed,
@@ -241,6 +240,14 @@ class Engine:
         bitmask = self._bitmask[:batch].to(drafts.device, non_blocking=True) if any_grammar else None
         in_thinking = self._in_thinking[:batch].to(drafts.device) if self.config.relaxed is not None else None
         return bitmask, in_thinking
+
+    @staticmethod
+    def _sampling(rows: list[_Request], device: torch.device) -> SamplingTensors | None:
+        """This step's per-row settings, or None when every row is greedy (no seeds needed)."""
+        if all(r.params.temperature == 0 for r in rows):
+            return None
+        seeds = derive_seeds(torch.tensor([r.seed for r in rows]), torch.tensor([r.num_generated for r in rows]))
+        return batch_sampling([r.params for r in rows], seeds, device)
 
     def _draft_probs(self, rows, vocab_size):
         if all(r.draft_probs is None for r in rows):

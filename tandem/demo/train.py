@@ -1,4 +1,4 @@
-"""`tandem train-demo`: build the tokenizer and train the demo targets shipped in `tandem/assets/`.
+"""`tandem train-demo`: build the tokenizer and train the demo models shipped in `tandem/assets/`.
 
 Stages, each reproducible from its seed: the tokenizer (`tokenizer/`), then the targets with
 transformers' own `LlamaForCausalLM` (`demo-llama/`) and `DeepseekV3ForCausalLM` (`demo-deepseek/`,
@@ -6,12 +6,14 @@ MLA + MoE). A target trains on an endless stream of corpus chats with the loss o
 turn only (reasoning, `</think>`, answer, `<|eot_id|>`), then is saved with `save_pretrained`
 (safetensors, bf16 when its greedy predictions agree with fp32, else fp32) beside the tokenizer
 files and `tandem_demo.json` (corpus seed and settings, losses, held-out check, wall time).
-`iter_batches` is the data path any later stage (draft heads) reuses.
+Then the drafts (`tandem.demo.drafts`, batched by the same `batch_rows`): the EAGLE-3 draft
+of demo-llama (`demo-llama-eagle3/`) and the MTP layer of demo-deepseek (inside its checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -38,7 +40,8 @@ BF16_MIN_AGREEMENT = 0.99  # greedy teacher-forced agreement bf16 vs fp32 needed
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "demo": {
         "tokenizer": {"num_examples": 20_000, "vocab_size": DEFAULT_VOCAB_SIZE},
-        "llama": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+        # 8 layers: a target several times the cost of its one-layer draft, as real pairs are
+        "llama": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 8,
                   "num_attention_heads": 8, "num_key_value_heads": 2},
         "deepseek": {"hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 128,
                      "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
@@ -58,7 +61,8 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 TARGETS = {"llama": "demo-llama", "deepseek": "demo-deepseek"}
-DEFAULT_STEPS = {"llama": 400, "deepseek": 300}  # what the shipped targets trained for (~8 min each, 1 thread)
+DRAFTS = ("eagle3", "mtp")  # trained after the targets (tandem.demo.drafts)
+DEFAULT_STEPS = {"llama": 400, "deepseek": 300, "eagle3": 300, "mtp": 300}  # what the shipped models trained for
 
 
 @dataclass
@@ -106,17 +110,23 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, example: Example) -> tuple[l
 
 def iter_batches(tokenizer: PreTrainedTokenizerBase, batch_size: int, seed: int, split: str = "train",
                  bucket: int = 8) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless right-padded batches: input_ids, labels, attention_mask, each [B, T] int64.
+    """Endless right-padded batches of corpus chats (`batch_rows` of `encode_chat`)."""
+    rows = (encode_chat(tokenizer, example) for example in iter_examples(seed, split))
+    return batch_rows(rows, tokenizer.pad_token_id, batch_size, seed, bucket)
 
-    Chats are drawn `bucket` batches at a time and grouped by length (less padding); the
-    batches of a bucket come out in a seeded random order.
+
+def batch_rows(rows: Iterator[tuple[list[int], list[int]]], pad_id: int, batch_size: int, seed: int,
+               bucket: int = 8) -> Iterator[dict[str, torch.Tensor]]:
+    """Right-padded batches of (input_ids, labels) rows: input_ids, labels, attention_mask, each [B, T] int64.
+
+    Rows are drawn `bucket` batches at a time and grouped by length (less padding); the
+    batches of a bucket come out in a seeded random order. Ends when `rows` does.
     """
-    examples, order = iter_examples(seed, split), random.Random(seed)
-    while True:
-        pool = sorted((encode_chat(tokenizer, next(examples)) for _ in range(batch_size * bucket)), key=lambda r: len(r[0]))
+    order = random.Random(seed)
+    while pool := sorted(itertools.islice(rows, batch_size * bucket), key=lambda r: len(r[0])):
         groups = [pool[i:i + batch_size] for i in range(0, len(pool), batch_size)]
         order.shuffle(groups)
-        yield from (_pad_batch(rows, tokenizer.pad_token_id) for rows in groups)
+        yield from (_pad_batch(group, pad_id) for group in groups)
 
 
 def _pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -226,8 +236,8 @@ def load_or_train_tokenizer(out_dir: Path, size: str, retrain: bool) -> PreTrain
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainSettings(steps=0)
     parser.add_argument("--out", type=Path, default=ASSETS_DIR, help="assets directory (default: tandem/assets)")
-    parser.add_argument("--only", choices=["tokenizer", *TARGETS],
-                        help="one stage; a target reuses OUT/tokenizer when it exists")
+    parser.add_argument("--only", choices=["tokenizer", *TARGETS, *DRAFTS],
+                        help="one stage; a target reuses OUT/tokenizer, a draft its trained target in OUT")
     parser.add_argument("--steps", type=int, help=f"optimizer steps per target (default: {DEFAULT_STEPS})")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--lr", type=float, default=defaults.lr)
@@ -239,14 +249,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tandem.demo.drafts import train_draft
+
     torch.set_num_threads(args.threads)
     tokenizer = load_or_train_tokenizer(args.out, args.size, retrain=args.only in (None, "tokenizer"))
     if args.only == "tokenizer":
         return 0
-    for kind in [args.only] if args.only else list(TARGETS):
-        settings = TrainSettings(steps=args.steps or DEFAULT_STEPS[kind], batch_size=args.batch_size, lr=args.lr,
+    for stage in [args.only] if args.only else [*TARGETS, *DRAFTS]:
+        settings = TrainSettings(steps=args.steps or DEFAULT_STEPS[stage], batch_size=args.batch_size, lr=args.lr,
                                  seed=args.seed, size=args.size, eval_examples=args.eval_examples)
-        record = train_target(kind, tokenizer, args.out / TARGETS[kind], settings)
+        if stage in DRAFTS:
+            record = train_draft(stage, tokenizer, args.out, settings)
+            print(f"{stage} draft of {record['target']}: loss {record['loss_start']} -> {record['loss_end']}, "
+                  f"top-1 agreement by depth {record['train_top1_agreement_by_depth']}, {record['wall_time_s']} s")
+            continue
+        record = train_target(stage, tokenizer, args.out / TARGETS[stage], settings)
         heldout = record["heldout"]
         print(f"{record['target']}: loss {record['loss_start']} -> {record['loss_end']}, "
               f"held-out valid {heldout['valid']}/{heldout['total']} (exact {heldout['exact']}), "

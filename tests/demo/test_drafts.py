@@ -1,0 +1,67 @@
+"""The draft trainer (training-time test) computes exactly what the shipped drafts compute at inference."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer, DeepseekV3ForCausalLM, LlamaForCausalLM
+
+from tandem.assets import TOKENIZER_DIR
+from tandem.demo.corpus import generate_examples
+from tandem.demo.drafts import DEPTHS, DRAFT_TARGETS, new_head, save_head, ttt_forward, ttt_visibility
+from tandem.demo.train import encode_chat, target_config
+from tandem.models.base import ForwardBatch
+from tandem.models.loading import load_draft, load_target
+
+TARGET_KIND = {"eagle3": ("llama", LlamaForCausalLM), "mtp": ("deepseek", DeepseekV3ForCausalLM)}
+
+
+def test_ttt_visibility_is_committed_prefix_plus_one_key_per_earlier_chained_depth():
+    visible = ttt_visibility(num_pairs=4, depth=2).int()
+    # query depth 2, pair 3: committed pairs 0..1 at depth 0, then depth 1 at pair 2 and depth 2 at pair 3
+    assert visible[2 * 4 + 3].tolist() == [1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    assert visible[:4, :4].tolist() == torch.ones(4, 4).tril().int().tolist()  # depth 0 is causal
+    assert not visible[:4, 4:].any()  # and never sees a chained step
+
+
+@pytest.fixture(scope="module", params=sorted(DRAFT_TARGETS))
+def saved_pair(request, tmp_path_factory):
+    """A tiny random target and a perturbed fresh draft head, saved as tandem ships them (fp32)."""
+    kind = request.param
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    target_kind, model_class = TARGET_KIND[kind]
+    torch.manual_seed(0)
+    target = model_class(target_config(target_kind, tokenizer, "tiny")).eval()
+    directory = tmp_path_factory.mktemp(kind) / DRAFT_TARGETS[kind]
+    target.save_pretrained(directory)
+    head = new_head(kind, target).eval()
+    with torch.no_grad():  # move off the warm start so that every weight matters
+        for param in head.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    draft_dir = save_head(kind, head, target, directory, torch.float32)
+    return kind, target, head, directory, draft_dir, tokenizer
+
+
+@torch.no_grad()
+def test_ttt_depth_d_equals_the_loaded_draft_chained_d_steps(saved_pair):
+    kind, hf_target, head, directory, draft_dir, tokenizer = saved_pair
+    target = load_target(directory, dtype=torch.float32)
+    draft = load_draft("mtp" if kind == "mtp" else draft_dir, target, dtype=torch.float32)
+    ids = encode_chat(tokenizer, generate_examples(1, seed=3)[0])[0][:40]
+    input_ids = torch.tensor([ids])
+    _, ttt = ttt_forward(head, hf_target, input_ids, torch.ones_like(input_ids))
+    out = target.forward(ForwardBatch.from_rows([ids], [0], [0]), target.new_cache(1, 64), return_hidden=True,
+                         return_aux=True)
+    first = draft.fc(out.aux_hidden) if kind == "eagle3" else out.hidden  # depth-0 hidden at each position
+
+    def log_probs(g):
+        logits = draft.lm_head(draft.norm(g)) if kind == "eagle3" else draft.logits(g)
+        return logits.float().log_softmax(-1)[0]
+
+    for depth in range(DEPTHS):
+        for pair in (depth, depth + 9, len(ids) - 2):  # pair i: hidden at position i, token at i + 1
+            committed = pair - depth + 1  # pairs 0..committed-1 sit at positions 1..committed
+            cache = draft.new_cache(1, 64)
+            g = draft.step(ForwardBatch.from_rows([ids[1 : committed + 1]], [1], [0]), first[:committed], cache)[-1:]
+            for position in range(committed + 1, committed + depth + 1):  # the chained steps, true tokens
+                g = draft.step(ForwardBatch.from_rows([[ids[position]]], [position], [0]), g, cache)
+            torch.testing.assert_close(log_probs(g), ttt[depth][0, pair], atol=2e-4, rtol=1e-4,
+                                       msg=f"{kind} depth {depth} pair {pair}")

@@ -1,0 +1,105 @@
+"""Every target/draft pair on the shipped demo models, fp32: speculative greedy output equals plain greedy
+output token for token (batch 1 and 8, with and without a JSON schema), the trained drafts are
+actually accepted, and `</think>` inside an accepted draft run splits reasoning and answer right."""
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from tandem.decoding.params import SamplingParams
+from tandem.demo.corpus import TASK_FAMILIES, generate_examples
+from tandem.llm import LLM
+from tests.models.test_eagle3 import write_eagle3
+
+EXAMPLES = generate_examples(8, seed=11, split="heldout")
+MAX_TOKENS = 64
+# (target, draft): every shipped draft, the model-free baseline, and an EAGLE-3 draft (random weights)
+# next to the MLA + MoE target, as the Kimi-K2.5 drafts are.
+PAIRS = [("demo-llama", "eagle3"), ("demo-llama", "ngram"), ("demo-deepseek", "mtp"), ("demo-deepseek", "ngram"),
+         ("demo-deepseek", "random-eagle3")]
+TRAINED = {("demo-llama", "eagle3"), ("demo-deepseek", "mtp")}
+
+
+@pytest.fixture(scope="module")
+def random_eagle3(tmp_path_factory):
+    """An EAGLE-3 checkpoint for demo-deepseek (hidden 256, vocab 2048, reduced draft vocab with d2t)."""
+    path = tmp_path_factory.mktemp("eagle3-for-deepseek")
+    write_eagle3(path, hidden=256, inter=384, vocab=2048, draft_vocab=1024, arch="Eagle3DeepseekV2ForCausalLM")
+    return path
+
+
+@pytest.fixture(scope="module")
+def llms(random_eagle3):
+    """LLM instances by (model, draft), built on first use, fp32."""
+    cache: dict[tuple[str, str | None], LLM] = {}
+
+    def get(model: str, draft: str | None) -> LLM:
+        if (model, draft) not in cache:
+            path = str(random_eagle3) if draft == "random-eagle3" else draft
+            cache[model, draft] = LLM(model, path, num_speculative_tokens=4, dtype=torch.float32, max_num_seqs=8)
+        return cache[model, draft]
+
+    return get
+
+
+def generate(llm: LLM, batch: int, schema: bool):
+    """Greedy outputs for EXAMPLES, `batch` requests at a time (batch 1: the first three, to save time)."""
+    engine, outputs, examples = llm.engine, [], EXAMPLES if batch > 1 else EXAMPLES[:3]
+    for first in range(0, len(examples), batch):
+        ids = []
+        for example in examples[first : first + batch]:
+            params = SamplingParams(max_tokens=MAX_TOKENS,
+                                    json_schema=TASK_FAMILIES[example.family].schema if schema else None)
+            ids.append(engine.add_request(llm.chat_prompt(example.messages, example.tools), params))
+        while engine.has_unfinished():
+            engine.step()
+        outputs.extend(engine.pop_finished(i) for i in ids)
+    return outputs
+
+
+@pytest.mark.parametrize("schema", [False, True], ids=["free", "schema"])
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("pair", PAIRS, ids=["+".join(p) for p in PAIRS])
+def test_speculative_greedy_equals_plain_greedy_token_for_token(llms, pair, batch, schema):
+    model, draft = pair
+    plain = generate(llms(model, None), batch, schema)
+    speculative = generate(llms(model, draft), batch, schema)
+    assert [o.token_ids for o in speculative] == [o.token_ids for o in plain]
+    assert sum(o.stats.drafted for o in speculative) > 0
+    if schema:
+        for example, output in zip(EXAMPLES, speculative):
+            if output.finish_reason == "stop":
+                jsonschema.validate(json.loads(output.text), TASK_FAMILIES[example.family].schema)
+
+
+@pytest.mark.parametrize("pair", sorted(TRAINED), ids=["+".join(p) for p in sorted(TRAINED)])
+def test_the_shipped_drafts_are_trained(llms, pair):
+    """An untrained head is accepted about 0 times per step; the shipped ones most of the time."""
+    outputs = generate(llms(*pair), 8, False)
+    steps = sum(o.stats.steps for o in outputs)
+    accepted = sum(o.stats.accepted for o in outputs)
+    assert (accepted + steps) / steps >= 2.5, f"mean accepted length {(accepted + steps) / steps:.2f}"
+
+
+def test_think_end_inside_an_accepted_draft_run_splits_reasoning_and_answer(llms):
+    llm = llms("demo-llama", "eagle3")
+    close = llm.tokenizer.convert_tokens_to_ids("</think>")
+    engine = llm.engine
+    ids = [engine.add_request(llm.chat_prompt(ex.messages, ex.tools), SamplingParams(max_tokens=MAX_TOKENS))
+           for ex in EXAMPLES]
+    mid_run = 0
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if close in delta.token_ids[1:-1]:  # one step committed reasoning, `</think>` and answer tokens
+                mid_run += 1
+                assert delta.reasoning and delta.text
+    assert mid_run > 0, "no step accepted a run across </think>: the check did not run"
+    def decode(token_ids):
+        return llm.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    for request_id in ids:
+        out = engine.pop_finished(request_id)
+        cut = out.token_ids.index(close) if close in out.token_ids else len(out.token_ids)
+        assert (out.reasoning, out.text) == (decode(out.token_ids[:cut]), decode(out.token_ids[cut + 1 :]))

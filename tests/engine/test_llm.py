@@ -1,0 +1,108 @@
+"""The Python API (`tandem.LLM`) on the shipped demo Llama: generate, chat, stream, relaxed acceptance."""
+
+import json
+
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+from tandem import LLM, RelaxedAcceptance, SamplingParams, cli
+from tandem.demo.corpus import TASK_FAMILIES, generate_examples
+
+EXAMPLES = generate_examples(4, seed=21, split="heldout")
+
+
+class Sentiment(BaseModel):
+    label: str
+    confidence: float
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("demo-llama", "eagle3", num_speculative_tokens=4)
+
+
+def test_generate_takes_text_token_ids_or_a_list_and_keeps_prompt_order(llm):
+    params = SamplingParams(max_tokens=12)
+    ids = [llm.chat_prompt(ex.messages, ex.tools) for ex in EXAMPLES]
+    together = llm.generate(ids, params)
+    assert [o.prompt_token_ids for o in together] == ids
+    assert llm.generate(ids[2], params)[0].token_ids == together[2].token_ids
+    text = llm.tokenizer.decode(ids[1])
+    assert llm.generate(text, params)[0].token_ids == together[1].token_ids
+
+
+def test_stream_deltas_add_up_to_the_generated_output(llm):
+    prompt, params = llm.chat_prompt(EXAMPLES[0].messages), SamplingParams(max_tokens=64)
+    deltas = list(llm.stream(prompt, params))
+    expected = llm.generate([prompt], params)[0]
+    assert "".join(d.reasoning for d in deltas) == expected.reasoning
+    assert "".join(d.text for d in deltas) == expected.text
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert deltas[-1].finish_reason == expected.finish_reason and all(d.finish_reason is None for d in deltas[:-1])
+    assert len(deltas) > 2, "streamed in one piece"
+
+
+def test_chat_with_a_pydantic_response_format_returns_a_valid_answer(llm):
+    out = llm.chat([{"role": "user", "content": "Classify the sentiment of this review: I was delighted with the kettle."}],
+                   SamplingParams(max_tokens=96), response_format=Sentiment)
+    assert out.finish_reason == "stop", out
+    Sentiment.model_validate_json(out.text)
+    assert out.reasoning and "</think>" not in out.text
+
+
+@pytest.fixture(scope="module")
+def relaxed_llm():
+    return LLM("demo-llama", "eagle3", num_speculative_tokens=4, relaxed=RelaxedAcceptance(top_k=10, delta=0.6))
+
+
+def test_relaxed_acceptance_keeps_the_answer_schema_valid(relaxed_llm):
+    for example in EXAMPLES:
+        schema = TASK_FAMILIES[example.family].schema
+        out = relaxed_llm.generate([relaxed_llm.chat_prompt(example.messages, example.tools)],
+                                   SamplingParams(max_tokens=128, json_schema=schema))[0]
+        assert out.finish_reason in ("stop", "length")
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_relaxed_acceptance_changes_nothing_after_the_reasoning(llm, relaxed_llm):
+    """Prompts that already closed `</think>`: every position is answer, so relaxed == exact greedy."""
+    close = llm.tokenizer.convert_tokens_to_ids("</think>")
+    params = SamplingParams(max_tokens=48)
+    prompts = [llm.chat_prompt(ex.messages, ex.tools) + llm.encode(ex.reasoning + "\n") + [close] for ex in EXAMPLES]
+    exact = llm.generate(prompts, params)
+    relaxed = relaxed_llm.generate(prompts, params)
+    assert [o.token_ids for o in relaxed] == [o.token_ids for o in exact]
+    assert all(o.reasoning == "" and o.text for o in relaxed)
+
+
+def test_unknown_model_or_draft_names_what_is_available():
+    with pytest.raises(FileNotFoundError, match="shipped models: .*demo-llama"):
+        LLM("no-such-model")
+    with pytest.raises(FileNotFoundError, match="draft 'eagle'"):
+        LLM("demo-deepseek", "eagle")
+
+
+def test_cli_generate_runs_the_demo_model_with_its_best_draft_and_a_schema(tmp_path, capsys):
+    schema = {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
+              "required": ["label"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    assert cli.main(["generate", "--json", "--max-tokens", "96", "--schema", str(tmp_path / "schema.json")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["model"], out["draft"]) == ("demo-llama", "eagle3")
+    assert out["finish_reason"] == "stop" and out["reasoning"]
+    jsonschema.validate(json.loads(out["text"]), schema)
+    assert out["stats"]["mean_accepted_length"] > 1
+
+
+def test_cli_bench_compares_the_paths_in_one_json_line(capsys):
+    argv = ["bench", "--json", "--models", "demo-llama", "--prompts", "2", "--max-tokens", "8", "--k", "2",
+            "--batch", "2"]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    runs = report["models"]["demo-llama"]["runs"]
+    assert {r["draft"] for r in runs} == {"none", "eagle3", "ngram"}
+    assert all(r["exact"] for r in runs if r["draft"] != "none" and not r["relaxed"])
+    ratios = report["models"]["demo-llama"]["ratios"]
+    assert {"tandem_plain_vs_transformers_plain", "eagle3_k2_vs_plain", "eagle3_k2_schema_vs_unconstrained"} <= set(ratios)
