@@ -1,13 +1,16 @@
 """The draft trainer (training-time test) computes exactly what the shipped drafts compute at inference."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM, LlamaForCausalLM
 
+from tandem import cli
 from tandem.assets import TOKENIZER_DIR
 from tandem.demo.corpus import generate_examples
 from tandem.demo.drafts import DEPTHS, DRAFT_TARGETS, new_head, save_head, ttt_forward, ttt_visibility
-from tandem.demo.train import encode_chat, target_config
+from tandem.demo.train import SETTINGS_FILE, encode_chat, target_config
 from tandem.models.base import ForwardBatch
 from tandem.models.loading import load_draft, load_target
 
@@ -65,3 +68,19 @@ def test_ttt_depth_d_equals_the_loaded_draft_chained_d_steps(saved_pair):
                 g = draft.step(ForwardBatch.from_rows([[ids[position]]], [position], [0]), g, cache)
             torch.testing.assert_close(log_probs(g), ttt[depth][0, pair], atol=2e-4, rtol=1e-4,
                                        msg=f"{kind} depth {depth} pair {pair}")
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFT_TARGETS))
+def test_tiny_train_demo_draft_stage_writes_a_draft_tandem_loads(tmp_path, draft):
+    """The CLI path: a tiny target, then its draft from self-distilled chats, loaded by tandem's loader."""
+    target_kind = TARGET_KIND[draft][0]
+    common = ["--out", str(tmp_path), "--size", "tiny", "--steps", "2", "--batch-size", "2", "--eval-examples", "1"]
+    assert cli.main(["train-demo", *common, "--only", target_kind]) == 0
+    assert cli.main(["train-demo", *common, "--only", draft]) == 0
+    target_dir = tmp_path / DRAFT_TARGETS[draft]
+    record = json.loads((target_dir.parent / f"{target_dir.name}-eagle3" / SETTINGS_FILE if draft == "eagle3"
+                         else target_dir / "tandem_mtp.json").read_text())
+    assert record["data"]["self_distilled_chats"] == 2 and record["data"]["generated_tokens"] > 0
+    target = load_target(target_dir)
+    loaded = load_draft(target_dir.parent / f"{target_dir.name}-eagle3" if draft == "eagle3" else "mtp", target)
+    assert loaded.hidden_kind == ("aux" if draft == "eagle3" else "last")
