@@ -25,11 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: the demo models are too small to gain from more)")
     parser.add_argument("--json", action="store_true", help="only the JSON line")
 
 
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
     report = {"benchmark": "tandem bench", "threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
               "prompts": args.prompts, "models": {}}
     for model in args.models:
