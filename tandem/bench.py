@@ -48,17 +48,19 @@ def _log(args: argparse.Namespace, message: str) -> None:
 
 def _bench_model(model: str, args: argparse.Namespace) -> dict:
     from tandem.demo.corpus import TASK_FAMILIES, generate_examples
-    from tandem.llm import LLM, available_drafts, resolve_model
+    from tandem.llm import LLM, available_drafts, chat_prompt_ids, resolve_model
+    from tandem.models.loading import load_tokenizer
 
     path = resolve_model(model)
     examples = generate_examples(args.prompts, seed=1, split="heldout")
+    tokenizer = load_tokenizer(path)
+    prompts = [chat_prompt_ids(tokenizer, ex.messages, ex.tools) for ex in examples]  # the same ids for every run
     results: list[dict] = []
     plain_tokens: dict[tuple, list[list[int]]] = {}
     for draft in [None, *available_drafts(path)]:
         for k in args.k if draft else [0]:
             for relaxed in ([None, RelaxedAcceptance()] if draft else [None]):
                 llm = LLM(model, draft, num_speculative_tokens=max(k, 1), relaxed=relaxed, max_num_seqs=max(args.batch))
-                prompts = [_prompt(llm.tokenizer, ex) for ex in examples]
                 for constrained in (False, True):
                     for batch in args.batch:
                         schemas = [TASK_FAMILIES[ex.family].schema if constrained else None for ex in examples]
@@ -75,16 +77,10 @@ def _bench_model(model: str, args: argparse.Namespace) -> dict:
                         _log(args, f"{model:14s} draft={row['draft']:7s} k={k} relaxed={row['relaxed']!s:5s} "
                                    f"schema={constrained!s:5s} batch={batch}  {row['tokens_per_s']:8.1f} tok/s  "
                                    f"accepted length {row['mean_accepted_length']:.2f}")
-    peers = _bench_transformers(path, examples, args)
+    peers = _bench_transformers(path, tokenizer, prompts, args)
     for row in peers:
         _log(args, f"{model:14s} transformers {row['mode']:13s} batch=1  {row['tokens_per_s']:8.1f} tok/s")
     return {"runs": results, "transformers": peers, "ratios": _ratios(results, peers, max(args.k), min(args.batch))}
-
-
-def _prompt(tokenizer, example) -> list[int]:
-    text = tokenizer.apply_chat_template(example.messages, tools=example.tools, add_generation_prompt=True,
-                                         tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _measure(llm, prompts: list[list[int]], schemas: list, batch: int, max_tokens: int) -> dict:
@@ -108,17 +104,16 @@ def _measure(llm, prompts: list[list[int]], schemas: list, batch: int, max_token
             "tokens": [o.token_ids for o in outputs]}
 
 
-def _bench_transformers(path, examples, args: argparse.Namespace) -> list[dict]:
-    """transformers' generate on the same weights, batch 1, greedy: plain and prompt lookup."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _bench_transformers(path, tokenizer, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]:
+    """transformers' generate on the same weights and prompts, batch 1, greedy: plain and prompt lookup."""
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rows = []
     for mode, extra in (("plain", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": max(args.k)})):
         generated, start = 0, time.perf_counter()
-        for example in examples:
-            ids = torch.tensor([_prompt(tokenizer, example)])
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
             with torch.inference_mode():
                 out = model.generate(ids, max_new_tokens=args.max_tokens, do_sample=False,
                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **extra)

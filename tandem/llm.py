@@ -101,15 +101,21 @@ class LLM:
         return self.generate([self.chat_prompt(messages, tools)], params)[0]
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """The prompt ids of a chat turn: the tokenizer's chat template with the generation prompt."""
-        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-        return self.encode(prompt)
+        """The prompt ids of a chat turn (see `chat_prompt_ids`)."""
+        return chat_prompt_ids(self.tokenizer, messages, tools)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt (no special tokens added); ids pass through as ints."""
         if isinstance(prompt, str):
             return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return [int(t) for t in prompt]
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt ids of a chat turn: the tokenizer's chat template with the generation prompt,
+    encoded without adding special tokens (the template has them)."""
+    prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

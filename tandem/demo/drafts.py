@@ -33,7 +33,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Decod
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from tandem.demo.corpus import generate_examples
-from tandem.demo.train import IGNORE_INDEX, SETTINGS_FILE, TrainSettings, batch_rows, train_model
+from tandem.demo.train import (IGNORE_INDEX, SETTINGS_FILE, TrainSettings, batch_rows, loss_summary, summary_window,
+                               train_model)
 from tandem.models.base import default_aux_layer_ids
 
 DEPTHS = 4  # chained draft steps trained: the k the demo runs with
@@ -304,8 +305,7 @@ def train_draft(kind: str, tokenizer: PreTrainedTokenizerBase, assets: Path, set
                          desc=f"train {kind} draft of {target_dir.name}", loss_fn=loss_fn)
     dtype = getattr(torch, json.loads((target_dir / "config.json").read_text())["dtype"])  # the target's file dtype
     out_dir = save_head(kind, head, target, target_dir, dtype)
-    window = max(1, min(20, len(losses) // 5))
-    tail = agreement_log[-window:]
+    tail = agreement_log[-summary_window(len(losses)):]
     record = {
         "draft": kind,
         "target": target_dir.name,
@@ -315,8 +315,7 @@ def train_draft(kind: str, tokenizer: PreTrainedTokenizerBase, assets: Path, set
         "depths": DEPTHS,
         "depth_decay": DEPTH_DECAY,
         "num_parameters": sum(p.numel() for p in head.parameters() if p.requires_grad),
-        "loss_start": round(sum(losses[:window]) / window, 4),
-        "loss_end": round(sum(losses[-window:]) / window, 4),
+        **loss_summary(losses),
         "train_top1_agreement_by_depth": [round(sum(a[d] for a in tail) / len(tail), 4) for d in range(DEPTHS)],
         "wall_time_s": round(time.perf_counter() - started, 1),
     }

@@ -204,7 +204,6 @@ def train_target(kind: str, tokenizer: PreTrainedTokenizerBase, out_dir: str | P
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.to(dtype).save_pretrained(out_dir)
     save_tokenizer(tokenizer, out_dir)
-    window = max(1, min(20, len(losses) // 5))
     record = {
         "target": TARGETS[kind],
         "corpus": {"seed": settings.seed, "split": "train", "families": "all"},
@@ -212,14 +211,25 @@ def train_target(kind: str, tokenizer: PreTrainedTokenizerBase, out_dir: str | P
         "dtype": str(dtype).removeprefix("torch."),
         "bf16_argmax_agreement": round(agreement, 4),
         "num_parameters": sum(p.numel() for p in model.parameters()),
-        "loss_start": round(sum(losses[:window]) / window, 4),
-        "loss_end": round(sum(losses[-window:]) / window, 4),
+        **loss_summary(losses),
         "loss_every_25_steps": [round(loss, 4) for loss in losses[::25]],
         "heldout": asdict(report),
         "wall_time_s": round(time.perf_counter() - started, 1),
     }
     (out_dir / SETTINGS_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def summary_window(num_steps: int) -> int:
+    """How many first/last steps the start/end figures of a training record average over."""
+    return max(1, min(20, num_steps // 5))
+
+
+def loss_summary(losses: list[float]) -> dict[str, float]:
+    """`loss_start` / `loss_end` of a training record: the mean loss of the first / last steps."""
+    window = summary_window(len(losses))
+    return {"loss_start": round(sum(losses[:window]) / window, 4),
+            "loss_end": round(sum(losses[-window:]) / window, 4)}
 
 
 def load_or_train_tokenizer(out_dir: Path, size: str, retrain: bool) -> PreTrainedTokenizerBase:

@@ -27,10 +27,7 @@ def _generate(llm, params_for):
     engine = llm.engine
     ids = []
     for example in EXAMPLES:
-        text = llm.tokenizer.apply_chat_template(example.messages, tools=example.tools, add_generation_prompt=True,
-                                                 tokenize=False)
-        prompt = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids.append(engine.add_request(prompt, params_for(example)))
+        ids.append(engine.add_request(llm.chat_prompt(example.messages, example.tools), params_for(example)))
     while engine.has_unfinished():
         engine.step()
     return [engine.pop_finished(i) for i in ids]
