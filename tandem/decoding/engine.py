@@ -5,7 +5,8 @@ One `step()` runs, for every running row (DESIGN.md, "The speculative step"):
 1. merge   per row, the tokens to verify: a new row feeds its whole prompt (no drafts); a
            running row feeds [t_last, d_0 .. d_{k_b-1}] at positions L-1 .. L-1+k_b
 2. verify  one ragged target forward; logits at each row's k_b+1 verify positions
-3. masks   per-position grammar bitmasks and thinking phases for the draft window
+3. masks   per-position grammar bitmasks and thinking phases for the draft window, built on a
+           worker thread while the target runs (`MaskPipeline`)
 4. accept  `decoding.accept`; rows with k_b < k pad their drafts with -1 (a plain step there)
 5. commit  accepted drafts + the emitted token, cut by max_tokens / EOS / stop strings /
            grammar termination; KV caches truncated to the committed length
@@ -32,6 +33,7 @@ from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
 from tandem.grammars.compiler import CompileJob, GrammarCompiler
 from tandem.grammars.errors import GrammarError
 from tandem.grammars.masks import SpeculativeMasker
+from tandem.grammars.overlap import MaskHandle, MaskPipeline
 from tandem.grammars.spec import GrammarSpec
 from tandem.grammars.tokenizer import GrammarTokenizer
 from tandem.grammars.thinking import ThinkingMarkers, ThinkingTracker
@@ -90,9 +92,8 @@ class Engine:
         self.compiler = GrammarCompiler(timeout_s=config.grammar_timeout_s)
         self._eos = _eos_ids(tokenizer)
         self.masker = SpeculativeMasker(target.vocab_size, len(tokenizer), end_token_ids=sorted(self._eos))
-        self._bitmask = torch.zeros(config.max_num_seqs, self.k + 1, self.masker.width, dtype=torch.int32)
-        self._in_thinking = torch.zeros(config.max_num_seqs, self.k + 1, dtype=torch.bool)
         self.device = next(iter(target.parameters())).device if hasattr(target, "parameters") else torch.device("cpu")
+        self.mask_pipeline = MaskPipeline(self.masker, config.max_num_seqs, self.k, self.device)
         self.target_cache = target.new_cache(config.max_num_seqs, config.max_model_len)
         self.draft_cache = draft.new_cache(config.max_num_seqs, config.max_model_len) if draft is not None else None
         self._free_slots = list(range(config.max_num_seqs))
@@ -160,16 +161,17 @@ class Engine:
             return []
         k = self.k
         batch, verify_counts, logit_index = self._merge(rows)
+        drafts = torch.tensor([r.drafts + [PLACEHOLDER_TOKEN_ID] * (k - len(r.drafts)) for r in rows],
+                              dtype=torch.int64).view(len(rows), k)
+        masks = self._submit_masks(rows, drafts)
         want_hidden = self.draft is not None and self.draft.hidden_kind is not None
         out = self.target.forward(batch, self.target_cache,
                                   return_hidden=want_hidden and self.draft.hidden_kind == "last",
                                   return_aux=want_hidden and self.draft.hidden_kind == "aux")
         logits = out.logits.view(len(rows), k + 1, -1)
-        drafts = torch.tensor([r.drafts + [PLACEHOLDER_TOKEN_ID] * (k - len(r.drafts)) for r in rows],
-                              dtype=torch.int64, device=logits.device).view(len(rows), k)
-        bitmask, in_thinking = self._masks(rows, drafts)
+        bitmask, in_thinking = self._wait_masks(masks)
         result = accept(
-            logits, drafts,
+            logits, drafts.to(logits.device, non_blocking=True),
             draft_probs=self._draft_probs(rows, logits.shape[-1]),
             sampling=self._sampling(rows, logits.device),
             bitmask=bitmask,
@@ -229,17 +231,22 @@ class Engine:
         )
         return batch, verify_counts, logit_index_t
 
-    def _masks(self, rows: list[_Request], drafts: torch.Tensor):
-        """Grammar bitmasks [B, k+1, W] (None when no row has a grammar) and thinking phases
-        [B, k+1] (None when relaxed acceptance is off)."""
+    def _submit_masks(self, rows: list[_Request], drafts: torch.Tensor) -> tuple[MaskHandle, bool] | None:
+        """Start building this step's masks (drafts [B, k] CPU) on the pipeline's worker; None when no
+        row has a grammar and relaxed acceptance is off. Returns (handle, whether any row has a grammar)."""
         any_grammar = any(self.masker.row(r.request_id).matcher is not None for r in rows)
         if not any_grammar and (self.config.relaxed is None or self._markers is None):
+            return None
+        return self.mask_pipeline.submit([r.request_id for r in rows], drafts), any_grammar
+
+    def _wait_masks(self, masks: tuple[MaskHandle, bool] | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Grammar bitmasks [B, k+1, W] (None when no row has a grammar) and thinking phases [B, k+1]
+        (None when relaxed acceptance is off), on the device."""
+        if masks is None:
             return None, None
-        batch = len(rows)
-        self.masker.fill([r.request_id for r in rows], drafts.cpu(), self._bitmask, self._in_thinking)
-        bitmask = self._bitmask[:batch].to(drafts.device, non_blocking=True) if any_grammar else None
-        in_thinking = self._in_thinking[:batch].to(drafts.device) if self.config.relaxed is not None else None
-        return bitmask, in_thinking
+        handle, any_grammar = masks
+        bitmask, in_thinking, _ = handle.wait()
+        return bitmask if any_grammar else None, in_thinking if self.config.relaxed is not None else None
 
     @staticmethod
     def _sampling(rows: list[_Request], device: torch.device) -> SamplingTensors | None:

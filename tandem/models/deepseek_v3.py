@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.models.base import ForwardBatch, KVCache, Target, TargetOutput, default_aux_layer_ids
-from tandem.models.llama3 import RaggedLayout, RMSNorm
-from tandem.models.loading import WeightReader
-from tandem.models.moe import DeepseekMoE, GatedMLP, TakeFn, load_param
+from tandem.models.layers import GatedMLP, MergedLinear, RMSNorm
+from tandem.models.llama3 import RaggedLayout
+from tandem.models.loading import TakeFn, WeightReader, load_module, load_param
+from tandem.models.moe import DeepseekMoE
 from tandem.models.rope import RotaryEmbedding, apply_interleaved_rotary
 
 REQUIRED_KEYS = (
@@ -66,17 +67,18 @@ def attend_latent(layout: RaggedLayout, query: Tensor, latent_cache: Tensor, val
     Returns:
         ``[T, nh, value_dim]`` in the query's dtype.
     """
-    num_rows, _, max_query, max_key = layout.visible.shape
+    num_rows, max_query, max_key = len(layout.slots), layout.max_query, layout.max_key
     num_heads, dim = query.shape[1:]
-    padded = query.new_zeros(num_rows, max_query, num_heads, dim)
-    padded[layout.token_rows, layout.token_cols] = query
-    keys = latent_cache[layout.slots, :max_key].unsqueeze(1)  # [B, 1, Lmax, D]
+    keys = layout.cache_rows(latent_cache).unsqueeze(1)  # [B, 1, Lmax, D]
     # Heads fold into the query axis: one shared key/value head, as in MQA.
-    mask = layout.visible[..., None, :].expand(-1, -1, -1, num_heads, -1).reshape(num_rows, 1, -1, max_key)
+    mask = layout.visible
+    if mask is not None:
+        mask = mask[..., None, :].expand(-1, -1, -1, num_heads, -1).reshape(num_rows, 1, -1, max_key)
     out = F.scaled_dot_product_attention(
-        padded.view(num_rows, 1, max_query * num_heads, dim), keys, keys[..., :value_dim], mask, scale=scale
+        layout.to_grid(query).view(num_rows, 1, max_query * num_heads, dim), keys, keys[..., :value_dim], mask,
+        scale=scale,
     )
-    return out.view(num_rows, max_query, num_heads, value_dim)[layout.token_rows, layout.token_cols]
+    return layout.from_grid(out.view(num_rows, max_query, num_heads, value_dim))
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -90,14 +92,15 @@ class MultiHeadLatentAttention(nn.Module):
         self.q_rank = config.get("q_lora_rank")
         bias = bool(config.get("attention_bias", False))
         eps = config.get("rms_norm_eps", 1e-6)
-        q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        q_out, kv_a_out = self.num_heads * (self.nope_dim + self.rope_dim), self.kv_rank + self.rope_dim
         if self.q_rank is None:
             self.q_proj = nn.Linear(hidden, q_out, bias=False, **factory)
-        else:
-            self.q_a_proj = nn.Linear(hidden, self.q_rank, bias=bias, **factory)
+            self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_a_out, bias=bias, **factory)
+        else:  # both down-projections read x: one matmul
+            parts = {"q_a_proj": self.q_rank, "kv_a_proj_with_mqa": kv_a_out}
+            self.qkv_a_proj = MergedLinear(hidden, parts, bias=bias, **factory)
             self.q_a_layernorm = RMSNorm(self.q_rank, eps=eps, **factory)
             self.q_b_proj = nn.Linear(self.q_rank, q_out, bias=False, **factory)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope_dim, bias=bias, **factory)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, eps=eps, **factory)
         self.kv_b_proj = nn.Linear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False, **factory)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias, **factory)
@@ -110,9 +113,13 @@ class MultiHeadLatentAttention(nn.Module):
 
         ``x: [T, H]``, ``positions: [T]``, ``rope``: (cos, sin) ``[T, rope/2]`` -> ``[T, H]``.
         """
-        q = self.q_proj(x) if self.q_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if self.q_rank is None:
+            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        else:
+            q_a, kv_a = self.qkv_a_proj(x).split(self.qkv_a_proj.sizes, dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         q_nope, q_pe = q.view(len(x), self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        latent, k_pe = kv_a.split([self.kv_rank, self.rope_dim], dim=-1)
         latent_cache[layout.token_slots, positions] = torch.cat(
             [self.kv_a_layernorm(latent), apply_interleaved_rotary(k_pe, *rope)], dim=-1
         ).to(latent_cache.dtype)
@@ -125,8 +132,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def load(self, take: TakeFn, prefix: str) -> None:
         """Read ``{prefix}{q_a_proj,q_a_layernorm,q_b_proj | q_proj, kv_a_proj_with_mqa, ...}.*``."""
-        for name, param in self.named_parameters():  # our names are the checkpoint's
-            load_param(param, take, prefix + name)
+        load_module(self, take, prefix)
 
 
 class DecoderLayer(nn.Module):
@@ -155,7 +161,10 @@ class DecoderLayer(nn.Module):
         load_param(self.input_layernorm.weight, take, f"{prefix}input_layernorm.weight")
         load_param(self.post_attention_layernorm.weight, take, f"{prefix}post_attention_layernorm.weight")
         self.self_attn.load(take, f"{prefix}self_attn.")
-        self.mlp.load(take, f"{prefix}mlp.")
+        if isinstance(self.mlp, DeepseekMoE):
+            self.mlp.load(take, f"{prefix}mlp.")
+        else:
+            load_module(self.mlp, take, f"{prefix}mlp.")
 
 
 class DeepseekV3(nn.Module):

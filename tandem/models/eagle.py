@@ -71,7 +71,7 @@ class Eagle(nn.Module):
         self.target_embed, self.target_lm_head = target.embed, target.lm_head
         self.fc = nn.Linear(2 * hidden, hidden, bias=bool(config.get("bias", True)), **factory)
         self.layers = nn.ModuleList([DecoderLayer(config, input_layernorm=False, **factory)])
-        self.rotary = Rotary(config, self.layers[0].self_attn.head_dim)
+        self.rotary = Rotary(config, self.layers[0].self_attn.head_dim, dtype)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """One layer ``[num_slots, max_len, 2, nkv, head_dim]``, first position 1."""
@@ -105,6 +105,6 @@ def build(
     if config.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"EAGLE drafts have one decoder layer, config says {config['num_hidden_layers']}")
     draft = Eagle(config, target, dtype=dtype, device="meta").to_empty(device=device)  # weights follow
-    load_module(draft, weights, "")
+    load_module(draft, weights.take, "")
     weights.finish(ignore=[r"embed_tokens\.weight$", r"model\.embed_tokens\.weight$"])
     return draft.eval().requires_grad_(False)

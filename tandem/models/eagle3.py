@@ -30,8 +30,9 @@ from torch import Tensor, nn
 
 from tandem.models.base import DraftInput, DraftProposal, ForwardBatch, KVCache, Target
 from tandem.models.eagle import check_pair, propose_chained
-from tandem.models.llama3 import MLP, Attention, RaggedLayout, RMSNorm, Rotary, check_activation, kv_entry_shape
-from tandem.models.loading import CheckpointError, WeightReader
+from tandem.models.layers import GatedMLP, RMSNorm, checkpoint_tensors
+from tandem.models.llama3 import Attention, RaggedLayout, Rotary, check_activation, kv_entry_shape
+from tandem.models.loading import CheckpointError, WeightReader, load_param
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.")  # checkpoint prefix of our ``midlayer.``
 
@@ -46,7 +47,7 @@ class MidLayer(nn.Module):
         self.hidden_norm = RMSNorm(hidden, eps, **factory)
         self.self_attn = Attention(config, input_size=2 * hidden, **factory)
         self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
-        self.mlp = MLP(config, **factory)
+        self.mlp = GatedMLP(hidden, config["intermediate_size"], bias=bool(config.get("mlp_bias", False)), **factory)
 
     def forward(self, embeds: Tensor, hidden: Tensor, positions: Tensor, rope, layout: RaggedLayout, cache: Tensor):
         """``embeds, hidden: [T, H]`` -> the pre-norm hidden ``[T, H]``."""
@@ -88,7 +89,7 @@ class Eagle3(nn.Module):
         self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6), **factory)
         self.lm_head = nn.Linear(hidden, self.draft_vocab_size, bias=False, **factory)
         self.d2t = nn.Buffer(torch.zeros(self.draft_vocab_size, dtype=torch.int64, device=device))
-        self.rotary = Rotary(config, self.midlayer.self_attn.head_dim)
+        self.rotary = Rotary(config, self.midlayer.self_attn.head_dim, dtype)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """One layer ``[num_slots, max_len, 2, nkv, head_dim]``, first position 1."""
@@ -140,9 +141,8 @@ def build(
         target.aux_layer_ids = ids
     draft = Eagle3(config, target, dtype=dtype, device="meta").to_empty(device=device)  # weights follow
     prefix = layer_prefix(weights)
-    for name, param in draft.named_parameters():
-        key = prefix + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
-        param.copy_(weights.take(key, tuple(param.shape)))
+    for name, param in checkpoint_tensors(draft):
+        load_param(param, weights.take, prefix + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name)
     if "d2t" in weights:
         draft.d2t.copy_(weights.take("d2t", (draft.draft_vocab_size,), dtype=torch.int64))
     elif draft.draft_vocab_size != target.vocab_size:

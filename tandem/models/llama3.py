@@ -1,13 +1,14 @@
 """Llama 3 target: GQA attention over a slot KV cache, RoPE with ``llama3`` frequency scaling.
 
-Module and parameter names mirror the published checkpoints (``model.layers.{i}.self_attn.
-q_proj.weight``, ``lm_head.weight``, ...), so loading is one pass over ``named_parameters``.
-The building blocks (:class:`RMSNorm`, :class:`Rotary`, :class:`Attention`, :class:`MLP`,
-:class:`DecoderLayer`, :class:`RaggedLayout`) are shared with the EAGLE and EAGLE-3 drafts.
+Module names mirror the published checkpoints (``model.layers.{i}.self_attn.o_proj.weight``,
+``lm_head.weight``, ...) except the merged projections, which name their parts' keys
+(:func:`tandem.models.layers.checkpoint_tensors`), so loading is one pass over the module.
+The building blocks (:class:`Rotary`, :class:`Attention`, :class:`DecoderLayer`,
+:class:`RaggedLayout`) are shared with the EAGLE and EAGLE-3 drafts.
 
-Attention over a ragged batch: queries are scattered into a padded ``[B, Qmax]`` grid, each
-row's cache slot is gathered as ``[B, Lmax]`` keys, and one ``scaled_dot_product_attention``
-call runs with the mask ``first_position <= key position <= query position``. The cache entry
+Attention over a ragged batch: queries sit in a padded ``[B, Qmax]`` grid, each row's cache
+slot is read as ``[B, Lmax]`` keys, and one ``scaled_dot_product_attention`` call runs with the
+mask ``first_position <= key position <= query position``. The cache entry
 per token and layer is the stacked ``(K, V)``: ``[2, num_key_value_heads, head_dim]``.
 """
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.models.base import ForwardBatch, KVCache, TargetOutput, default_aux_layer_ids
+from tandem.models.layers import GatedMLP, MergedLinear, RMSNorm
 from tandem.models.loading import WeightReader, load_module
 from tandem.models.rope import rope_parameters
 
@@ -49,82 +51,103 @@ def rope_inv_freq(config: dict[str, Any], head_dim: int) -> Tensor:
 class Rotary:
     """Half-split (GPT-NeoX layout) RoPE, as HF Llama checkpoints expect. Not an ``nn.Module``: no weights."""
 
-    def __init__(self, config: dict[str, Any], head_dim: int):
-        self.inv_freq = rope_inv_freq(config, head_dim)
+    def __init__(self, config: dict[str, Any], head_dim: int, dtype: torch.dtype):
+        self.inv_freq, self.dtype = rope_inv_freq(config, head_dim), dtype
 
     def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """``positions: [T] int64`` -> ``(cos, sin)``, each ``[T, head_dim] float32``."""
+        """``positions: [T] int64`` -> ``(cos, signed sin)``, each ``[T, 1, head_dim]`` in the model's dtype.
+
+        Computed in float32 and then cast, like HF. The sine's first half is negated, which turns
+        the rotation into :func:`apply_rotary`'s roll: ``rotate_half(x) * sin == roll(x) * signed sin``.
+        """
         if self.inv_freq.device != positions.device:  # follows the model to its device once
             self.inv_freq = self.inv_freq.to(positions.device)
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()
+        angles = positions.to(torch.float32)[:, None, None] * self.inv_freq
+        cos, sin = angles.cos(), angles.sin()
+        return torch.cat([cos, cos], dim=-1).to(self.dtype), torch.cat([-sin, sin], dim=-1).to(self.dtype)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x: [T, heads, head_dim]`` by ``cos, sin: [T, head_dim]``; returns x's dtype."""
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-second, first], dim=-1) * sin
-
-
-class RMSNorm(nn.Module):
-    """``weight * x / rms(x)``, normalised in float32 like HF's LlamaRMSNorm. ``x: [..., D]``."""
-
-    def __init__(self, dim: int, eps: float, **factory):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, **factory))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rotate ``x: [T, heads, head_dim]`` by :class:`Rotary`'s ``(cos, signed sin) [T, 1, head_dim]``."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 @dataclass
 class RaggedLayout:
     """Where each token of a ragged batch sits in a padded ``[B, Qmax]`` query grid, and what it sees.
 
-    Built once per forward and shared by all layers.
+    Built once per forward and shared by all layers. The common cases copy nothing: when every
+    row has the same number of tokens (decode and verify steps) the grid is a view of the
+    tokens, and when the rows' slots are consecutive their keys are a view of the cache.
     """
 
-    token_rows: Tensor  # [T] int64: batch row of each token
-    token_cols: Tensor  # [T] int64: index of the token within its row
     token_slots: Tensor  # [T] int64: cache slot of each token
     slots: Tensor  # [B] int64
-    visible: Tensor  # [B, 1, Qmax, Lmax] bool: first_position <= key position <= query position
+    grid_index: tuple[Tensor, Tensor] | None  # (row, column) [T] of each token in the grid; None: T == B * Qmax
+    first_slot: int | None  # slots == first_slot + arange(B), or None (the keys are gathered)
+    visible: Tensor | None  # [B, 1, Qmax, Lmax] bool: first_position <= key position <= query position
+    #                         (None when every query sees every key)
+    max_query: int
+    max_key: int
 
     @classmethod
     def build(cls, batch: ForwardBatch, first_position: int = 0) -> "RaggedLayout":
-        token_rows = batch.token_rows()
-        token_cols = torch.arange(batch.num_tokens, device=token_rows.device) - batch.row_offsets[token_rows]
+        num_rows, num_tokens = batch.num_rows, batch.num_tokens
         max_query, max_key = int(batch.row_offsets.diff().max()), int(batch.positions.max()) + 1
-        # Padding queries see every key: their outputs are dropped, and no softmax row is empty.
-        query_positions = batch.positions.new_full((batch.num_rows, max_query), max_key - 1)
-        query_positions[token_rows, token_cols] = batch.positions
-        keys = torch.arange(max_key, device=token_rows.device)
+        if num_tokens == num_rows * max_query:
+            grid_index = None
+            query_positions = batch.positions.view(num_rows, max_query)
+            token_slots = batch.slots.repeat_interleave(max_query)
+        else:
+            token_rows = batch.token_rows()
+            grid_index = token_rows, torch.arange(num_tokens, device=token_rows.device) - batch.row_offsets[token_rows]
+            # Padding queries see every key: their outputs are dropped, and no softmax row is empty.
+            query_positions = batch.positions.new_full((num_rows, max_query), max_key - 1)
+            query_positions[grid_index] = batch.positions
+            token_slots = batch.slots[token_rows]
+        keys = torch.arange(max_key, device=batch.positions.device)
         visible = (keys <= query_positions[..., None]) & (keys >= first_position)
-        return cls(token_rows, token_cols, batch.slots[token_rows], batch.slots, visible[:, None])
+        slots = batch.slots.tolist()
+        first_slot = slots[0] if slots == list(range(slots[0], slots[0] + num_rows)) else None
+        return cls(token_slots, batch.slots, grid_index, first_slot,
+                   None if bool(visible.all()) else visible[:, None], max_query, max_key)
+
+    def to_grid(self, x: Tensor) -> Tensor:
+        """``[T, ...]`` -> ``[B, Qmax, ...]`` (padding zero-filled)."""
+        if self.grid_index is None:
+            return x.view(len(self.slots), self.max_query, *x.shape[1:])
+        grid = x.new_zeros(len(self.slots), self.max_query, *x.shape[1:])
+        grid[self.grid_index] = x
+        return grid
+
+    def from_grid(self, grid: Tensor) -> Tensor:
+        """``[B, Qmax, ...]`` -> ``[T, ...]``."""
+        return grid.flatten(0, 1) if self.grid_index is None else grid[self.grid_index]
+
+    def cache_rows(self, cache: Tensor) -> Tensor:
+        """The rows' cache entries: ``cache [slots, max_len, ...]`` -> ``[B, Lmax, ...]``."""
+        if self.first_slot is not None:
+            return cache[self.first_slot : self.first_slot + len(self.slots), : self.max_key]
+        return cache[:, : self.max_key].index_select(0, self.slots)
 
     def attend(self, q: Tensor, cache: Tensor, scale: float) -> Tensor:
         """Attention of ``q: [T, nh, d]`` over each row's slot of ``cache: [slots, max_len, 2, nkv, d]``.
 
         Returns ``[T, nh, d]``. Query heads are grouped over key/value heads (GQA).
         """
-        num_rows, _, max_query, max_key = self.visible.shape
-        padded = q.new_zeros(num_rows, max_query, *q.shape[1:])
-        padded[self.token_rows, self.token_cols] = q
-        kv = cache[self.slots, :max_key]  # [B, Lmax, 2, nkv, d]
+        kv = self.cache_rows(cache)  # [B, Lmax, 2, nkv, d]
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, nkv, Lmax, d]
         out = F.scaled_dot_product_attention(
-            padded.transpose(1, 2), k, v, attn_mask=self.visible, scale=scale, enable_gqa=True
+            self.to_grid(q).transpose(1, 2), k, v, attn_mask=self.visible, scale=scale, enable_gqa=True
         )  # [B, nh, Qmax, d]
-        return out.transpose(1, 2)[self.token_rows, self.token_cols]
+        return self.from_grid(out.transpose(1, 2))
 
 
 class Attention(nn.Module):
     """GQA self-attention writing into and reading from a slot cache. ``x: [T, input_size] -> [T, H]``.
 
-    ``input_size`` is the hidden size except in EAGLE-3's draft layer (2 * hidden).
+    ``input_size`` is the hidden size except in EAGLE-3's draft layer (2 * hidden). The q/k/v
+    projections are one :class:`MergedLinear` (checkpoint keys ``q_proj``, ``k_proj``, ``v_proj``).
     """
 
     def __init__(self, config: dict[str, Any], input_size: int | None = None, **factory):
@@ -134,36 +157,22 @@ class Attention(nn.Module):
         self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
         self.head_dim = config.get("head_dim") or hidden // self.num_heads
         bias = bool(config.get("attention_bias", False))
-        input_size = input_size or hidden
-        self.q_proj = nn.Linear(input_size, self.num_heads * self.head_dim, bias=bias, **factory)
-        self.k_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias, **factory)
-        self.v_proj = nn.Linear(input_size, self.num_kv_heads * self.head_dim, bias=bias, **factory)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias, **factory)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        parts = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+        self.qkv_proj = MergedLinear(input_size or hidden, parts, bias=bias, **factory)
+        self.o_proj = nn.Linear(q_size, hidden, bias=bias, **factory)
 
     def forward(
         self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], layout: RaggedLayout, cache: Tensor
     ) -> Tensor:
         """Write the batch's K/V at ``positions [T]`` of ``cache [slots, max_len, 2, nkv, d]``, then attend."""
-        q = apply_rotary(self.q_proj(x).view(len(x), self.num_heads, self.head_dim), *rope)
-        k = apply_rotary(self.k_proj(x).view(len(x), self.num_kv_heads, self.head_dim), *rope)
-        v = self.v_proj(x).view(len(x), self.num_kv_heads, self.head_dim)
-        cache[layout.token_slots, positions] = torch.stack([k, v], dim=1).to(cache.dtype)
+        rotated_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(len(x), -1, self.head_dim)  # [T, nh + 2 nkv, d]
+        q, k = apply_rotary(qkv[:, :rotated_heads], *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        kv = torch.cat([k, qkv[:, rotated_heads:]], dim=1).view(len(x), 2, self.num_kv_heads, self.head_dim)
+        cache[layout.token_slots, positions] = kv.to(cache.dtype)
         out = layout.attend(q, cache, self.head_dim**-0.5)
         return self.o_proj(out.flatten(1))
-
-
-class MLP(nn.Module):
-    """SwiGLU ``down(silu(gate(x)) * up(x))``: ``x: [T, H] -> [T, H]``."""
-
-    def __init__(self, config: dict[str, Any], **factory):
-        super().__init__()
-        hidden, inner, bias = config["hidden_size"], config["intermediate_size"], bool(config.get("mlp_bias", False))
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias, **factory)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias, **factory)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias, **factory)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def check_activation(config: dict[str, Any]) -> None:
@@ -180,7 +189,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps, **factory) if input_layernorm else nn.Identity()
         self.self_attn = Attention(config, **factory)
         self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
-        self.mlp = MLP(config, **factory)
+        self.mlp = GatedMLP(hidden, config["intermediate_size"], bias=bool(config.get("mlp_bias", False)), **factory)
 
     def forward(
         self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], layout: RaggedLayout, cache: Tensor
@@ -219,13 +228,13 @@ class Llama3(nn.Module):
         self.model = _Body(config, **factory)
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.lm_head_proj = None if self.tied else nn.Linear(self.hidden_size, self.vocab_size, bias=False, **factory)
-        self.rotary = Rotary(config, self.model.layers[0].self_attn.head_dim)
+        self.rotary = Rotary(config, self.model.layers[0].self_attn.head_dim, dtype)
 
     # Checkpoint key of the head is ``lm_head.weight``; ``lm_head`` itself is the Target method.
     def load(self, weights: WeightReader) -> None:
-        load_module(self.model, weights, "model.")
+        load_module(self.model, weights.take, "model.")
         if not self.tied:
-            load_module(self.lm_head_proj, weights, "lm_head.")
+            load_module(self.lm_head_proj, weights.take, "lm_head.")
         weights.finish(ignore=[r"lm_head\.weight$"] if self.tied else [])
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:

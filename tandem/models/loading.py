@@ -24,13 +24,14 @@ import importlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from safetensors import safe_open
 from torch import Tensor
 
 from tandem.models.base import Draft, Target
+from tandem.models.layers import checkpoint_tensors
 
 TARGET_MODULES = {  # config model_type -> provider module
     "llama": "tandem.models.llama3",
@@ -229,8 +230,17 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
+TakeFn = Callable[..., Tensor]  # WeightReader.take: (key, shape, *, dtype) -> Tensor
+
+
 @torch.no_grad()
-def load_module(module: torch.nn.Module, weights: WeightReader, prefix: str) -> None:
-    """Fill every parameter ``name`` of ``module`` from checkpoint key ``prefix + name`` (shape-checked)."""
-    for name, param in module.named_parameters():
-        param.copy_(weights.take(prefix + name, tuple(param.shape)))
+def load_param(param: Tensor, take: TakeFn, key: str) -> None:
+    """Copy checkpoint tensor ``key`` (shape checked against ``param``) into ``param``, in param's dtype."""
+    param.copy_(take(key, tuple(param.shape), dtype=param.dtype))
+
+
+def load_module(module: torch.nn.Module, take: TakeFn, prefix: str) -> None:
+    """Fill every parameter of ``module`` from its checkpoint key under ``prefix``
+    (:func:`~tandem.models.layers.checkpoint_tensors`: ``prefix + name``, merged weights by part)."""
+    for key, tensor in checkpoint_tensors(module, prefix):
+        load_param(tensor, take, key)

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 feed-forward blocks: the SwiGLU MLP and the routed mixture of experts.
+"""DeepSeek-V3's routed mixture of experts (dense layers use :class:`tandem.models.layers.GatedMLP`).
 
 Routing (DeepSeek-V3 "noaux_tc", as in the reference code and transformers 5.23):
 
@@ -16,37 +16,12 @@ raises an error naming the key and both shapes) and the module's key prefix.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-TakeFn = Callable[..., Tensor]  # WeightReader.take: (key, shape, *, dtype) -> Tensor
-
-
-@torch.no_grad()
-def load_param(param: Tensor, take: TakeFn, key: str) -> None:
-    """Copy checkpoint tensor ``key`` (shape checked against ``param``) into ``param``, in param's dtype."""
-    param.copy_(take(key, tuple(param.shape), dtype=param.dtype))
-
-
-class GatedMLP(nn.Module):
-    """SwiGLU feed-forward ``down(silu(gate(x)) * up(x))``: ``x: [T, H] -> [T, H]``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, **factory):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, **factory)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, **factory)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def load(self, take: TakeFn, prefix: str) -> None:
-        """Read ``{prefix}{gate,up,down}_proj.weight``."""
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            load_param(getattr(self, name).weight, take, f"{prefix}{name}.weight")
+from tandem.models.layers import GatedMLP
+from tandem.models.loading import TakeFn, load_module, load_param
 
 
 class GroupLimitedRouter(nn.Module):
@@ -105,7 +80,8 @@ class GroupLimitedRouter(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """E SwiGLU experts as stacked weights, dispatched by sorting (token, expert) pairs by expert.
+    """E SwiGLU experts as stacked weights (``gate_up [E, 2I, H]``, gate rows first; ``down [E, H, I]``),
+    dispatched by sorting (token, expert) pairs by expert.
 
     The loop runs over experts that received tokens (never over tokens); each expert's
     outputs are weighted and scattered back with ``index_add_``.
@@ -113,8 +89,7 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, **factory):
         super().__init__()
-        self.gate = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size, **factory))
-        self.up = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size, **factory))
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
@@ -123,20 +98,23 @@ class RoutedExperts(nn.Module):
         flat_experts = experts.flatten()
         order = flat_experts.argsort(stable=True)  # (token, choice) pairs grouped by expert
         tokens = order // top_k
-        counts = torch.bincount(flat_experts, minlength=self.gate.shape[0]).tolist()
+        counts = torch.bincount(flat_experts, minlength=self.gate_up.shape[0]).tolist()
         outputs = []
         for expert, rows in enumerate(x[tokens].split(counts)):
             if rows.shape[0]:
-                hidden = F.silu(rows @ self.gate[expert].T) * (rows @ self.up[expert].T)
+                gate, up = (rows @ self.gate_up[expert].T).chunk(2, dim=-1)
+                hidden = F.silu(gate) * up
                 outputs.append(hidden @ self.down[expert].T)
         routed = torch.cat(outputs) * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, routed.to(x.dtype))
 
     def load(self, take: TakeFn, prefix: str) -> None:
         """Read ``{prefix}{e}.{gate,up,down}_proj.weight`` for every expert e (the published layout)."""
-        for expert in range(self.gate.shape[0]):
-            for name, stacked in (("gate_proj", self.gate), ("up_proj", self.up), ("down_proj", self.down)):
-                load_param(stacked[expert], take, f"{prefix}{expert}.{name}.weight")
+        inner = self.down.shape[2]
+        for expert in range(self.down.shape[0]):
+            gate, up, down = self.gate_up[expert, :inner], self.gate_up[expert, inner:], self.down[expert]
+            for name, param in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+                load_param(param, take, f"{prefix}{expert}.{name}.weight")
 
 
 class DeepseekMoE(nn.Module):
@@ -174,4 +152,4 @@ class DeepseekMoE(nn.Module):
         self.gate.load(take, f"{prefix}gate.")
         self.experts.load(take, f"{prefix}experts.")
         if self.shared_experts is not None:
-            self.shared_experts.load(take, f"{prefix}shared_experts.")
+            load_module(self.shared_experts, take, f"{prefix}shared_experts.")

@@ -29,10 +29,11 @@ from torch import Tensor, nn
 from tandem.models.base import DraftInput, DraftProposal, ForwardBatch, KVCache, Target
 from tandem.models.deepseek_v3 import DecoderLayer, check_config
 from tandem.models.eagle import propose_chained
-from tandem.models.llama3 import RaggedLayout, RMSNorm
-from tandem.models.loading import CheckpointError, WeightReader
-from tandem.models.moe import TakeFn, load_param
+from tandem.models.layers import RMSNorm
+from tandem.models.llama3 import RaggedLayout
+from tandem.models.loading import CheckpointError, TakeFn, WeightReader, load_param
 from tandem.models.rope import RotaryEmbedding
+
 
 class MultiTokenPredictor(nn.Module):
     """DeepSeek-V3 MTP draft (:class:`tandem.models.base.Draft`) sharing ``target``'s embedding and head.

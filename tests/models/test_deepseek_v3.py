@@ -81,21 +81,22 @@ def test_prefill_decode_truncate_match_transformers(tmp_path, variant, overrides
         start = 0 if b == 0 else len(seqs[0])
         assert max_diff(out.logits[start : start + len(seqs[b])], ref) <= TOLERANCE, (variant, b)
 
-    # Decode: row 0 one token per step, row 1 a verify-like chunk of 3.
-    for step in range(2):
-        new = [[int(torch.randint(0, 512, (1,), generator=gen))], torch.randint(0, 512, (3,), generator=gen).tolist()]
+    # Decode: row 0 one token per step, row 1 a verify-like chunk of 3; then equal chunks (no padding).
+    for step, (n0, n1) in enumerate([(1, 3), (1, 3), (2, 2)]):
+        new = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (n0, n1)]
         starts = [len(s) for s in seqs]
         out = model.forward(ForwardBatch.from_rows(new, starts, slots), cache)
         seqs = [s + n for s, n in zip(seqs, new)]
-        assert max_diff(out.logits[:1], reference_logits(reference, seqs[0])[-1:]) <= TOLERANCE, (variant, step)
-        assert max_diff(out.logits[1:], reference_logits(reference, seqs[1])[-3:]) <= TOLERANCE, (variant, step)
+        assert max_diff(out.logits[:n0], reference_logits(reference, seqs[0])[-n0:]) <= TOLERANCE, (variant, step)
+        assert max_diff(out.logits[n0:], reference_logits(reference, seqs[1])[-n1:]) <= TOLERANCE, (variant, step)
 
-    # Reject the last 3 tokens of row 1, decode others in their place.
-    seqs[1] = seqs[1][:-3]
+    # Reject the last 2 tokens of row 1, decode others in their place: a chunk, then a single token.
+    seqs[1] = seqs[1][:-2]
     cache.truncate(torch.tensor([0]), torch.tensor([len(seqs[1])]))
-    new = [7, 8]
-    out = model.forward(ForwardBatch.from_rows([new], [len(seqs[1])], [0]), cache)
-    assert max_diff(out.logits, reference_logits(reference, seqs[1] + new)[-2:]) <= TOLERANCE, variant
+    for new in ([7, 8], [9]):
+        out = model.forward(ForwardBatch.from_rows([new], [len(seqs[1])], [0]), cache)
+        seqs[1] += new
+        assert max_diff(out.logits, reference_logits(reference, seqs[1])[-len(new):]) <= TOLERANCE, variant
 
 
 def test_decode_after_truncate_equals_fresh_cache(tmp_path):

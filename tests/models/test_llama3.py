@@ -58,16 +58,18 @@ def test_prefill_of_a_ragged_batch_matches_transformers(pair):
     assert cache.lengths.tolist() == [3, 0, 7, 12]
 
 
-def test_incremental_decode_and_verify_chunks_match_transformers(pair):
+@pytest.mark.parametrize("slot_a, slot_b", [(1, 0), (0, 1)])  # keys gathered / read as a view of the cache
+def test_incremental_decode_and_verify_chunks_match_transformers(pair, slot_a, slot_b):
     target, hf = pair
-    (full_a, full_b) = sequences(2, [14, 11])
+    (full_a, full_b) = sequences(2, [16, 12])
     cache = target.new_cache(num_slots=2, max_len=32)
-    target.forward(ForwardBatch.from_rows([full_a[:5], full_b[:8]], [0, 0], [1, 0]), cache)
+    target.forward(ForwardBatch.from_rows([full_a[:5], full_b[:8]], [0, 0], [slot_a, slot_b]), cache)
     ref_a, ref_b = hf_forward(hf, full_a)[0], hf_forward(hf, full_b)[0]
     pos_a, pos_b = 5, 8
-    for step_a, step_b in [(1, 1), (4, 1), (1, 2), (3, 0)]:  # single-token decodes and k+1 verify chunks
+    # single-token decodes and k+1 verify chunks, equal (no padding) and ragged, two rows and one
+    for step_a, step_b in [(1, 1), (4, 1), (2, 2), (3, 0), (1, 0)]:
         rows, starts, slots, refs = [], [], [], []
-        for step, pos, full, ref, slot in ((step_a, pos_a, full_a, ref_a, 1), (step_b, pos_b, full_b, ref_b, 0)):
+        for step, pos, full, ref, slot in ((step_a, pos_a, full_a, ref_a, slot_a), (step_b, pos_b, full_b, ref_b, slot_b)):
             if step:
                 rows.append(full[pos : pos + step]), starts.append(pos), slots.append(slot)
                 refs.append(ref[pos : pos + step])

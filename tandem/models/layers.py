@@ -1,0 +1,83 @@
+"""Layers shared by the providers, and the walk from a module to its checkpoint keys.
+
+:class:`MergedLinear` keeps several published projections that read the same input (Llama's
+``q_proj``/``k_proj``/``v_proj``, SwiGLU's ``gate_proj``/``up_proj``, MLA's ``q_a_proj``/
+``kv_a_proj_with_mqa``) as one weight, so one matmul serves them all (vLLM's merged
+column-parallel layers). On small models most of a decode step is per-op overhead, so every
+op saved counts. :func:`checkpoint_tensors` names each parameter by its checkpoint key, a merged
+weight by its parts' keys, which keeps loading one pass over the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, normalised in float32 like HF's LlamaRMSNorm. ``x: [..., D]``."""
+
+    def __init__(self, dim: int, eps: float, **factory):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
+class MergedLinear(nn.Module):
+    """Linears over one input stored as a single ``[sum(out), in]`` weight: ``x: [T, in] -> [T, sum(out)]``,
+    the parts' outputs side by side in order (``.split(self.sizes, -1)`` separates them).
+
+    ``parts`` maps each checkpoint name (``"q_proj"``) to its output size; the checkpoint keys are
+    ``{parent prefix}{name}.weight`` (and ``.bias``), as if each part were its own ``nn.Linear``.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], *, bias: bool = False, **factory):
+        super().__init__()
+        self.in_features, self.parts = in_features, dict(parts)
+        self.sizes = list(self.parts.values())
+        self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(sum(self.sizes), **factory)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def part_tensors(self, prefix: str) -> Iterator[tuple[str, Tensor]]:
+        """``(checkpoint key, view of the merged parameter)`` for each part's weight (and bias)."""
+        start = 0
+        for name, rows in self.parts.items():
+            yield f"{prefix}{name}.weight", self.weight[start : start + rows]
+            if self.bias is not None:
+                yield f"{prefix}{name}.bias", self.bias[start : start + rows]
+            start += rows
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU ``down(silu(gate(x)) * up(x))`` with ``gate_proj``/``up_proj`` merged: ``x: [T, H] -> [T, H]``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, **factory):
+        super().__init__()
+        parts = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
+        self.gate_up_proj = MergedLinear(hidden_size, parts, bias=bias, **factory)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def checkpoint_tensors(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+    """Every parameter of ``module`` as ``(checkpoint key, tensor)``: ``prefix + name``, except that a
+    :class:`MergedLinear` yields views of its weight under its parts' keys (next to it, not under it)."""
+    for name, param in module.named_parameters(recurse=False):
+        yield prefix + name, param
+    for name, child in module.named_children():
+        if isinstance(child, MergedLinear):
+            yield from child.part_tensors(prefix)
+        else:
+            yield from checkpoint_tensors(child, f"{prefix}{name}.")
