@@ -6,14 +6,16 @@ batch 1 and 8; and `transformers`' own `generate` on the same weights (plain, an
 lookup, its n-gram speculation). Prompts are held-out demo-corpus chats. Greedy throughout, so
 every speculative run must reproduce the plain run's tokens (checked, reported as `exact`).
 Each measurement is the fastest of `--repeats` runs (timeit's rule: slower runs measure the
-machine's other load, not the code). One JSON object on the last line of stdout.
+machine's other load, not the code), and the runs of all measurements are interleaved in rounds. One JSON object on the last line of stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -57,33 +59,52 @@ def _bench_model(model: str, args: argparse.Namespace) -> dict:
     examples = generate_examples(args.prompts, seed=1, split="heldout")
     tokenizer = load_tokenizer(path)
     prompts = [chat_prompt_ids(tokenizer, ex.messages, ex.tools) for ex in examples]  # the same ids for every run
-    results: list[dict] = []
-    plain_tokens: dict[tuple, list[list[int]]] = {}
+    cases: dict[tuple, Callable[[int], dict]] = {}  # (draft, k, relaxed, schema, batch) -> run(max_tokens)
     for draft in [None, *available_drafts(path)]:
         for k in args.k if draft else [0]:
             for relaxed in ([None, RelaxedAcceptance()] if draft else [None]):
                 llm = LLM(model, draft, num_speculative_tokens=max(k, 1), relaxed=relaxed, max_num_seqs=max(args.batch))
                 for constrained in (False, True):
+                    schemas = [TASK_FAMILIES[ex.family].schema if constrained else None for ex in examples]
                     for batch in args.batch:
-                        schemas = [TASK_FAMILIES[ex.family].schema if constrained else None for ex in examples]
-                        _measure(llm, prompts, schemas, batch, 4)  # warm-up; compiles (and caches) the schemas
-                        row = min((_measure(llm, prompts, schemas, batch, args.max_tokens)
-                                   for _ in range(args.repeats)), key=lambda r: r["seconds"])
-                        key = (constrained, batch)
-                        if draft is None:
-                            plain_tokens[key] = row.pop("tokens")
-                        else:
-                            tokens = row.pop("tokens")
-                            row["exact"] = relaxed is not None or tokens == plain_tokens[key]
-                        row.update(draft=draft or "none", k=k, relaxed=relaxed is not None, schema=constrained, batch=batch)
-                        results.append(row)
-                        _log(args, f"{model:14s} draft={row['draft']:7s} k={k} relaxed={row['relaxed']!s:5s} "
-                                   f"schema={constrained!s:5s} batch={batch}  {row['tokens_per_s']:8.1f} tok/s  "
-                                   f"accepted length {row['mean_accepted_length']:.2f}")
-    peers = _bench_transformers(path, tokenizer, prompts, args)
+                        cases[draft or "none", k, relaxed is not None, constrained, batch] = functools.partial(
+                            _measure, llm, prompts, schemas, batch)
+    for mode, extra in _transformers_modes(args):
+        cases["transformers", mode] = functools.partial(_measure_transformers, path, tokenizer, prompts, extra)
+    best = _fastest_of_rounds(cases, args)
+
+    plain_tokens = {key[3:]: best[key]["tokens"] for key in best if key[0] == "none"}
+    results: list[dict] = []
+    for key, row in best.items():
+        if key[0] == "transformers":
+            continue
+        draft, k, relaxed, constrained, batch = key
+        row["exact"] = relaxed or row.pop("tokens") == plain_tokens[constrained, batch]
+        row.update(draft=draft, k=k, relaxed=relaxed, schema=constrained, batch=batch)
+        results.append(row)
+        _log(args, f"{model:14s} draft={draft:7s} k={k} relaxed={relaxed!s:5s} schema={constrained!s:5s} "
+                   f"batch={batch}  {row['tokens_per_s']:8.1f} tok/s  accepted length {row['mean_accepted_length']:.2f}")
+    peers = [{"mode": key[1], **row} for key, row in best.items() if key[0] == "transformers"]
     for row in peers:
         _log(args, f"{model:14s} transformers {row['mode']:13s} batch=1  {row['tokens_per_s']:8.1f} tok/s")
     return {"runs": results, "transformers": peers, "ratios": _ratios(results, peers, max(args.k), min(args.batch))}
+
+
+def _fastest_of_rounds(cases: dict[tuple, Callable[[int], dict]], args: argparse.Namespace) -> dict[tuple, dict]:
+    """Warm every case up, then run all of them once per round, `repeats` rounds; each case's fastest run.
+
+    Rounds interleave the cases, so a stretch of machine load slows all of them alike instead of
+    one case's every run.
+    """
+    for run in cases.values():
+        run(4)  # warm-up; compiles (and caches) the schemas
+    best: dict[tuple, dict] = {}
+    for _ in range(args.repeats):
+        for key, run in cases.items():
+            row = run(args.max_tokens)
+            if key not in best or row["seconds"] < best[key]["seconds"]:
+                best[key] = row
+    return best
 
 
 def _measure(llm, prompts: list[list[int]], schemas: list, batch: int, max_tokens: int) -> dict:
@@ -107,29 +128,30 @@ def _measure(llm, prompts: list[list[int]], schemas: list, batch: int, max_token
             "tokens": [o.token_ids for o in outputs]}
 
 
-def _bench_transformers(path, tokenizer, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]:
-    """transformers' generate on the same weights and prompts, batch 1, greedy: plain and prompt lookup."""
+def _transformers_modes(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """transformers' generate, batch 1, greedy: plain, and prompt lookup (its n-gram speculation)."""
+    return [("plain", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": max(args.k)})]
+
+
+@functools.cache
+def _transformers_model(path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
-    def measure(max_tokens: int, **extra) -> dict:
-        generated, start = 0, time.perf_counter()
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            with torch.inference_mode():
-                out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
-                                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **extra)
-            generated += out.shape[1] - ids.shape[1]
-        seconds = time.perf_counter() - start
-        return {"tokens_per_s": round(generated / seconds, 2), "generated": generated, "seconds": round(seconds, 3)}
 
-    rows = []
-    for mode, extra in (("plain", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": max(args.k)})):
-        measure(4, **extra)  # warm-up, as for tandem's runs
-        best = min((measure(args.max_tokens, **extra) for _ in range(args.repeats)), key=lambda r: r["seconds"])
-        rows.append({"mode": mode, **best})
-    return rows
+def _measure_transformers(path, tokenizer, prompts: list[list[int]], extra: dict, max_tokens: int) -> dict:
+    """transformers' generate on the same weights and prompts; time and count."""
+    model = _transformers_model(path)
+    generated, start = 0, time.perf_counter()
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **extra)
+        generated += out.shape[1] - ids.shape[1]
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": round(generated / seconds, 2), "generated": generated, "seconds": round(seconds, 3)}
 
 
 def _ratios(runs: list[dict], peers: list[dict], k: int, batch: int) -> dict:

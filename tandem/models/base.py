@@ -152,13 +152,14 @@ class KVCache:
         """
         if batch.num_rows == 0:
             return
-        if (batch.row_offsets.diff() <= 0).any():
-            raise ValueError(f"every row needs at least one token; row_offsets={batch.row_offsets.tolist()}")
-        if (batch.slots < 0).any() or (batch.slots >= self.num_slots).any():
-            raise ValueError(f"slots {batch.slots.tolist()} outside [0, {self.num_slots})")
-        first = batch.positions[batch.row_offsets[:-1]]
-        last = batch.positions[batch.row_offsets[1:] - 1]
-        held = self.lengths[batch.slots].clamp(min=self.first_position)
+        # One host sync for the structural checks, one for the per-row positions.
+        slots, offsets = batch.slots, batch.row_offsets
+        if bool(((offsets.diff() <= 0).any() | (slots < 0).any() | (slots >= self.num_slots).any())):
+            if (offsets.diff() <= 0).any():
+                raise ValueError(f"every row needs at least one token; row_offsets={offsets.tolist()}")
+            raise ValueError(f"slots {slots.tolist()} outside [0, {self.num_slots})")
+        first, last = batch.positions[offsets[:-1]], batch.positions[offsets[1:] - 1]
+        held = self.lengths[slots].clamp(min=self.first_position)
         bad = (last >= self.max_len) | (first > held) | (first < self.first_position)
         if bad.any():
             b = int(bad.nonzero()[0])

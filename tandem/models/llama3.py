@@ -52,7 +52,10 @@ class Rotary:
     """Half-split (GPT-NeoX layout) RoPE, as HF Llama checkpoints expect. Not an ``nn.Module``: no weights."""
 
     def __init__(self, config: dict[str, Any], head_dim: int, dtype: torch.dtype):
-        self.inv_freq, self.dtype = rope_inv_freq(config, head_dim), dtype
+        inv_freq = rope_inv_freq(config, head_dim)
+        self.inv_freq = torch.cat([inv_freq, inv_freq])  # [head_dim]: both halves rotate by the same angles
+        self.sin_sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])
+        self.dtype = dtype
 
     def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``positions: [T] int64`` -> ``(cos, signed sin)``, each ``[T, 1, head_dim]`` in the model's dtype.
@@ -61,10 +64,9 @@ class Rotary:
         the rotation into :func:`apply_rotary`'s roll: ``rotate_half(x) * sin == roll(x) * signed sin``.
         """
         if self.inv_freq.device != positions.device:  # follows the model to its device once
-            self.inv_freq = self.inv_freq.to(positions.device)
-        angles = positions.to(torch.float32)[:, None, None] * self.inv_freq
-        cos, sin = angles.cos(), angles.sin()
-        return torch.cat([cos, cos], dim=-1).to(self.dtype), torch.cat([-sin, sin], dim=-1).to(self.dtype)
+            self.inv_freq, self.sin_sign = self.inv_freq.to(positions.device), self.sin_sign.to(positions.device)
+        angles = positions.to(torch.float32)[:, None, None] * self.inv_freq  # [T, 1, head_dim]
+        return angles.cos().to(self.dtype), (angles.sin() * self.sin_sign).to(self.dtype)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
