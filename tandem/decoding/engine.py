@@ -10,7 +10,8 @@ One `step()` runs, for every running row (DESIGN.md, "The speculative step"):
 4. accept  `decoding.accept`; rows with k_b < k pad their drafts with -1 (a plain step there)
 5. commit  accepted drafts + the emitted token, cut by max_tokens / EOS / stop strings /
            grammar termination; KV caches truncated to the committed length
-6. propose the draft reads the target's hidden states at the committed positions
+6. propose the draft reads the target's hidden states at the committed positions; rows with a
+           grammar draft under it (a `MaskWalk` tells the draft which tokens each position allows)
 
 Cache invariant: a row's target KV cache holds positions 0 .. len(tokens) - 2; its last
 committed token is always fed again as t_last by the next step.
@@ -32,7 +33,7 @@ from tandem.decoding.rng import derive_seeds
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
 from tandem.grammars.compiler import CompileJob, GrammarCompiler
 from tandem.grammars.errors import GrammarError
-from tandem.grammars.masks import SpeculativeMasker
+from tandem.grammars.masks import MaskWalk, SpeculativeMasker
 from tandem.grammars.overlap import MaskHandle, MaskPipeline
 from tandem.grammars.spec import GrammarSpec
 from tandem.grammars.tokenizer import GrammarTokenizer
@@ -94,6 +95,9 @@ class Engine:
         self.masker = SpeculativeMasker(target.vocab_size, len(tokenizer), end_token_ids=sorted(self._eos))
         self.device = next(iter(target.parameters())).device if hasattr(target, "parameters") else torch.device("cpu")
         self.mask_pipeline = MaskPipeline(self.masker, config.max_num_seqs, self.k, self.device)
+        # Scratch for grammar-aware drafting (the verify masks are rebuilt by the pipeline).
+        self._draft_bitmask = torch.zeros(config.max_num_seqs, self.k + 1, self.masker.width, dtype=torch.int32)
+        self._draft_thinking = torch.zeros(config.max_num_seqs, self.k + 1, dtype=torch.bool)
         self.target_cache = target.new_cache(config.max_num_seqs, config.max_model_len)
         self.draft_cache = draft.new_cache(config.max_num_seqs, config.max_model_len) if draft is not None else None
         self._free_slots = list(range(config.max_num_seqs))
@@ -325,8 +329,16 @@ class Engine:
         hidden = None if hidden_all is None else hidden_all[torch.tensor(hidden_rows, device=device)]
         if self.draft_cache is not None:
             self.draft_cache.truncate(slots, draft_batch.positions[draft_batch.row_offsets[:-1]])
-        proposal = self.draft.propose(DraftInput(batch=draft_batch, hidden=hidden, history=histories),
-                                      self.draft_cache, self.k)
+        walk = None
+        if any(self.masker.row(r.request_id).matcher is not None for r in live):
+            walk = MaskWalk(self.masker, [r.request_id for r in live], self.k, self._draft_bitmask,
+                            self._draft_thinking, device)
+        try:
+            proposal = self.draft.propose(
+                DraftInput(batch=draft_batch, hidden=hidden, history=histories, constraint=walk), self.draft_cache, self.k)
+        finally:
+            if walk is not None:
+                walk.finish()
         for b, r in enumerate(live):
             budget = min(r.params.max_tokens - r.num_generated - 1, self.config.max_model_len - len(r.tokens) - 1, self.k)
             drafts = proposal.tokens[b, : max(budget, 0)].tolist()

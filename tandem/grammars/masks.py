@@ -5,9 +5,11 @@ grammar consumed d[0:i]; row k is for the bonus token. Positions in thinking, an
 grammar, get the *base* row (every id the tokenizer has; ids in [tokenizer size, V) are never
 allowed), except that a row with a grammar may not end while thinking: its thinking positions get
 the *thinking* row, the base row without the end tokens (EOS), so a constrained request always
-reaches its answer (or its length limit) instead of ending with no answer at all. The walk stops at the first draft the grammar forbids: later rows get the base row (that
-draft is rejected anyway). Matchers are rolled back by exactly what the walk accepted, so `fill`
-leaves no state behind; `commit` is the only call that advances matchers and trackers.
+reaches its answer (or its length limit) instead of ending with no answer at all. The walk stops
+at the first draft the grammar forbids: later rows get the base row (that draft is rejected
+anyway). Matchers are rolled back by exactly what the walk accepted, so `fill` leaves no state
+behind; `commit` is the only call that advances matchers and trackers. `MaskWalk` is the same
+walk one position at a time, for drafts that propose under the grammar.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from tandem.decoding.bitmask import bitmask_width, pack_bitmask
+from tandem.decoding.bitmask import bitmask_width, pack_bitmask, unpack_bitmask
 from tandem.grammars.backends.base import Matcher
 from tandem.grammars.thinking import ThinkingTracker
 
@@ -65,44 +67,10 @@ class SpeculativeMasker:
         Returns allows_nothing: [B, k+1] bool, True where the grammar allows no token at all
         (the engine ends such a row if it has to emit there).
         """
-        batch, k = drafts.shape
-        if bitmask.shape[1:] != (k + 1, self.width) or bitmask.dtype != torch.int32:
-            raise ValueError(f"bitmask must be int32 [B, {k + 1}, {self.width}], got {bitmask.dtype} {list(bitmask.shape)}")
-        if bitmask.shape[0] < batch or in_thinking.shape[0] < batch or in_thinking.shape[1] != k + 1:
-            raise ValueError(f"buffers {list(bitmask.shape)} / {list(in_thinking.shape)} too small for drafts {list(drafts.shape)}")
-        flat = bitmask.view(-1, self.width)  # the backends fill [N, W] rows by index
-        phases = []
-        for b, (row_id, tokens) in enumerate(zip(row_ids, drafts.tolist())):
-            state = self._rows[row_id]
-            row_phases = state.tracker.phases(tokens) if state.tracker else [False] * (k + 1)
-            phases.append(row_phases)
-            self._fill_row(state.matcher, tokens, row_phases, flat, b * (k + 1))
-        in_thinking[:batch] = torch.tensor(phases, dtype=torch.bool).view(batch, k + 1)
-        return (bitmask[:batch] == 0).all(-1)
-
-    def _fill_row(self, matcher: Matcher | None, tokens: list[int], phases: list[bool], flat: torch.Tensor, first: int) -> None:
-        """Rows flat[first : first+k+1] for one request; the matcher is rolled back before returning."""
-        k = len(tokens)
-        if matcher is None:
-            flat[first : first + k + 1] = self.base_row
-            return
-        if all(phases):
-            flat[first : first + k + 1] = self.thinking_row
-            return
-        accepted = 0
-        for i in range(k + 1):
-            if phases[i]:
-                flat[first + i] = self.thinking_row
-                continue
-            matcher.fill_bitmask(flat, first + i)
-            if i == k:
-                break
-            # The first forbidden draft (or a PLACEHOLDER_TOKEN_ID pad of a short draft) is rejected anyway.
-            if tokens[i] < 0 or not matcher.accept_token(tokens[i]):
-                flat[first + i + 1 : first + k + 1] = self.base_row
-                break
-            accepted += 1
-        matcher.rollback(accepted)
+        walk = MaskWalk(self, row_ids, drafts.shape[1], bitmask, in_thinking)
+        for column in drafts.T.tolist():
+            walk.advance(column)
+        return walk.finish()
 
     def commit(self, row_id: Hashable, tokens: Sequence[int]) -> None:
         """Advance a row's tracker and matcher by exactly the committed tokens (mutates).
@@ -122,3 +90,72 @@ class SpeculativeMasker:
         """Whether the row's grammar has accepted EOS (the request is complete)."""
         matcher = self._rows[row_id].matcher
         return matcher is not None and matcher.is_terminated()
+
+
+class MaskWalk:
+    """`SpeculativeMasker.fill`'s walk, one window position at a time: mask row i of every batch row
+    is written as soon as the window's first i tokens are known.
+
+    A draft can so read row i before it picks token i (grammar-aware drafting: it then proposes
+    only tokens the grammar allows, which the target's masked acceptance would otherwise reject).
+    It implements :class:`tandem.models.base.DraftConstraint`. Until :meth:`finish` the matchers
+    hold the walked tokens; nothing may commit to the masker in between.
+    """
+
+    def __init__(self, masker: SpeculativeMasker, row_ids: Sequence[Hashable], k: int, bitmask: torch.Tensor,
+                 in_thinking: torch.Tensor, device: torch.device | str = "cpu"):
+        batch = len(row_ids)
+        if bitmask.shape[1:] != (k + 1, masker.width) or bitmask.dtype != torch.int32:
+            raise ValueError(f"bitmask must be int32 [B, {k + 1}, {masker.width}], got {bitmask.dtype} {list(bitmask.shape)}")
+        if bitmask.shape[0] < batch or in_thinking.shape[0] < batch or in_thinking.shape[1] != k + 1:
+            raise ValueError(f"buffers {list(bitmask.shape)} / {list(in_thinking.shape)} too small for {batch} rows, k={k}")
+        self.masker, self.k, self.device = masker, k, torch.device(device)
+        self.bitmask, self.in_thinking = bitmask[:batch], in_thinking[:batch]
+        self._flat = bitmask.view(-1, masker.width)  # the backends fill [N, W] rows by index
+        self._states = [masker.row(row_id) for row_id in row_ids]
+        self._tokens: list[list[int]] = [[] for _ in row_ids]
+        self._walking = [state.matcher is not None for state in self._states]  # False after a forbidden token
+        self._accepted = [0] * batch  # tokens each matcher consumed, to roll back
+        self.position = 0
+        self._fill_position()
+
+    def allowed(self) -> torch.Tensor:
+        """``[B, V]`` bool on the walk's device: the tokens allowed at the current position."""
+        return unpack_bitmask(self.bitmask[:, self.position], self.masker.vocab_size).to(self.device)
+
+    def advance(self, tokens: Sequence[int] | torch.Tensor) -> None:
+        """Take token ``position`` of every row (``[B]``; -1 = no token) and write the next mask row."""
+        if self.position == self.k:
+            raise RuntimeError(f"the walk is already past its k = {self.k} tokens")
+        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        for b, token in enumerate(tokens):
+            thinking = bool(self.in_thinking[b, self.position])
+            self._tokens[b].append(token)
+            if self._walking[b] and not thinking:  # a token reaches the grammar iff its position is not thinking
+                # The first forbidden token (or a PLACEHOLDER_TOKEN_ID pad) is rejected anyway.
+                if token >= 0 and self._states[b].matcher.accept_token(token):
+                    self._accepted[b] += 1
+                else:
+                    self._walking[b] = False
+        self.position += 1
+        self._fill_position()
+
+    def finish(self) -> torch.Tensor:
+        """Roll the matchers back; returns allows_nothing ``[B, k+1]`` bool of the rows written so far."""
+        for state, accepted in zip(self._states, self._accepted):
+            if accepted:
+                state.matcher.rollback(accepted)
+        self._accepted = [0] * len(self._states)
+        return (self.bitmask == 0).all(-1)
+
+    def _fill_position(self) -> None:
+        i, width = self.position, self.k + 1
+        for b, state in enumerate(self._states):
+            thinking = state.tracker.phases(self._tokens[b])[-1] if state.tracker else False
+            self.in_thinking[b, i] = thinking
+            if state.matcher is None or not self._walking[b]:  # after a forbidden token: never read
+                self._flat[b * width + i] = self.masker.base_row
+            elif thinking:
+                self._flat[b * width + i] = self.masker.thinking_row
+            else:
+                state.matcher.fill_bitmask(self._flat, b * width + i)

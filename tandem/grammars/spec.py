@@ -8,6 +8,7 @@ ignore part of a JSON schema; `strict=False` accepts its approximation.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -23,6 +24,19 @@ from tandem.grammars.errors import InvalidGrammarSpec
 GrammarKind = Literal["json_schema", "regex", "lark", "ebnf", "choice"]
 
 _REGEX_SPECIAL = re.compile(r"([\\.^$|?*+()\[\]{}/-])")
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_error(source: str) -> str | None:
+    """What is wrong with the schema of JSON text `source` (None: a valid schema). Cached: checking
+    against the metaschema costs milliseconds, and a server sees the same schemas again and again."""
+    schema = json.loads(source)
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        return f"json_schema at {json_pointer(list(e.path)) or '/'}: {e.message}"
+    return None
 
 
 def json_pointer(path: Sequence[str | int]) -> str:
@@ -64,13 +78,11 @@ class GrammarSpec:
                 raise InvalidGrammarSpec(f"json_schema: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidGrammarSpec(f"json_schema: a schema must be an object or a boolean, got {type(schema).__name__}")
-        validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        try:
-            validator.check_schema(schema)
-        except jsonschema.SchemaError as e:
-            pointer = json_pointer(list(e.path))
-            raise InvalidGrammarSpec(f"json_schema at {pointer or '/'}: {e.message}") from None
-        return cls("json_schema", json.dumps(schema, ensure_ascii=False), strict)
+        source = json.dumps(schema, ensure_ascii=False)
+        error = _schema_error(source)
+        if error is not None:
+            raise InvalidGrammarSpec(error)
+        return cls("json_schema", source, strict)
 
     @classmethod
     def regex(cls, pattern: str) -> GrammarSpec:

@@ -20,7 +20,10 @@ Aux hidden states (EAGLE-3) use the HF ``hidden_states`` index convention: index
 input of decoder layer ``i`` (before any final norm); the default capture points are
 ``(2, L // 2, L - 3)`` like the published EAGLE-3 drafts (:func:`default_aux_layer_ids`).
 
-Changes to this contract are listed here. (None so far.)
+Changes to this contract are listed here:
+
+- ``DraftInput.constraint`` (optional, :class:`DraftConstraint`): drafts that choose their
+  tokens (EAGLE, EAGLE-3, MTP) pick each one among the tokens the row's grammar allows.
 """
 
 from __future__ import annotations
@@ -211,11 +214,29 @@ class Target(Protocol):
         ...
 
 
+class DraftConstraint(Protocol):
+    """Grammar-aware drafting: what each row may propose at each chained position.
+
+    A draft that chooses its tokens calls :meth:`allowed` before choosing token i and
+    :meth:`advance` with its choice after (for every i < k, the last one included). Drafts are
+    still verified by the target; this only spares proposals the target's grammar mask rejects.
+    """
+
+    def allowed(self) -> Tensor:
+        """``[B, V]`` bool on the draft's device: the tokens allowed at the current position."""
+        ...
+
+    def advance(self, tokens: Tensor) -> None:
+        """``tokens: [B] int64``: the tokens just proposed at the current position."""
+        ...
+
+
 @dataclass
 class DraftInput:
     batch: ForwardBatch  # per row: the tokens committed since the last proposal, at their positions
     hidden: Tensor | None  # [T, Hd]: target hidden state at the position BEFORE each token
     history: list[Tensor] | None  # per row: all committed token ids [L_b] int64 (n-gram lookup)
+    constraint: DraftConstraint | None = None  # grammar-aware drafting (None: propose freely)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from tandem.models.llama3 import DecoderLayer, RaggedLayout, Rotary, check_activ
 from tandem.models.loading import WeightReader, load_module
 
 StepFn = Callable[[ForwardBatch, Tensor, KVCache], Tensor]  # (batch, hidden [T, *], cache) -> hidden [T, H]
-HeadFn = Callable[[Tensor], Tensor]  # hidden [B, H] -> next target token ids [B] int64
+HeadFn = Callable[[Tensor, Tensor | None], Tensor]  # (hidden [B, H], allowed [B, V] | None) -> token ids [B]
 
 
 def check_pair(config: dict[str, Any], target: Target, what: str) -> None:
@@ -36,11 +36,17 @@ def check_pair(config: dict[str, Any], target: Target, what: str) -> None:
         )
 
 
+def constrained_argmax(logits: Tensor, allowed: Tensor | None) -> Tensor:
+    """``[B, V]`` logits -> ``[B]`` int64 argmax among the ``allowed [B, V]`` tokens (None: all)."""
+    return (logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))).argmax(dim=-1)
+
+
 def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor, cache: KVCache, k: int) -> Tensor:
     """Run ``step`` over the committed tokens, then chain ``k - 1`` single-token steps.
 
     ``hidden [T, *]`` is what ``step`` reads for the committed tokens; chained steps read the
-    previous step's output at each row's last token, at the next position. Returns ``[B, k]``.
+    previous step's output at each row's last token, at the next position. Each token is chosen
+    among those ``inp.constraint`` allows, when there is one. Returns ``[B, k]``.
     """
     batch = inp.batch
     out = step(batch, hidden, cache)
@@ -48,8 +54,11 @@ def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor,
     h, positions = out[last], batch.positions[last]
     rows = torch.arange(batch.num_rows + 1, device=positions.device)
     tokens = []
+    constraint = inp.constraint
     for i in range(k):
-        tokens.append(head(h))
+        tokens.append(head(h, None if constraint is None else constraint.allowed()))
+        if constraint is not None:
+            constraint.advance(tokens[-1])
         if i + 1 < k:
             positions = positions + 1
             h = step(ForwardBatch(tokens[-1], positions, rows, batch.slots), h, cache)
@@ -86,9 +95,9 @@ class Eagle(nn.Module):
         layout = RaggedLayout.build(batch, first_position=cache.first_position)
         return self.layers[0](x, batch.positions, self.rotary(batch.positions), layout, cache.layers[0])
 
-    def next_tokens(self, hidden: Tensor) -> Tensor:
-        """``hidden [B, H]`` -> argmax of the target's head ``[B]`` int64."""
-        return self.target_lm_head(hidden).argmax(dim=-1)
+    def next_tokens(self, hidden: Tensor, allowed: Tensor | None = None) -> Tensor:
+        """``hidden [B, H]`` -> argmax of the target's head ``[B]`` int64 (among ``allowed [B, V]``)."""
+        return constrained_argmax(self.target_lm_head(hidden), allowed)
 
     def propose(self, inp: DraftInput, cache: KVCache, num_tokens: int) -> DraftProposal:
         """Greedy EAGLE proposals ``tokens [B, num_tokens]``; ``probs`` None (deterministic)."""

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.models.base import DraftInput, DraftProposal, ForwardBatch, KVCache, Target
-from tandem.models.eagle import check_pair, propose_chained
+from tandem.models.eagle import check_pair, constrained_argmax, propose_chained
 from tandem.models.layers import GatedMLP, RMSNorm, checkpoint_tensors
 from tandem.models.llama3 import Attention, RaggedLayout, Rotary, check_activation, kv_entry_shape
 from tandem.models.loading import CheckpointError, WeightReader, load_param
@@ -104,10 +104,12 @@ class Eagle3(nn.Module):
         rope = self.rotary(batch.positions)
         return self.midlayer(self.target_embed(batch.input_ids), hidden, batch.positions, rope, layout, cache.layers[0])
 
-    def next_tokens(self, hidden: Tensor) -> Tensor:
-        """``hidden [B, H]`` -> target ids ``[B]`` int64 of the draft-vocabulary argmax."""
-        draft_ids = self.lm_head(self.norm(hidden)).argmax(dim=-1)
-        return draft_ids + self.d2t[draft_ids]
+    def next_tokens(self, hidden: Tensor, allowed: Tensor | None = None) -> Tensor:
+        """``hidden [B, H]`` -> target ids ``[B]`` int64 of the draft-vocabulary argmax (among the
+        draft ids whose target ids ``allowed [B, V_target]`` allows)."""
+        target_ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t  # [draft_V]
+        allowed = None if allowed is None else allowed[:, target_ids]
+        return target_ids[constrained_argmax(self.lm_head(self.norm(hidden)), allowed)]
 
     def propose(self, inp: DraftInput, cache: KVCache, num_tokens: int) -> DraftProposal:
         """Greedy EAGLE-3 proposals ``tokens [B, num_tokens]``; ``probs`` None (deterministic)."""

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from tandem.models.base import DraftInput, DraftProposal, ForwardBatch, KVCache, Target
 from tandem.models.deepseek_v3 import DecoderLayer, check_config
-from tandem.models.eagle import propose_chained
+from tandem.models.eagle import constrained_argmax, propose_chained
 from tandem.models.layers import RMSNorm
 from tandem.models.llama3 import RaggedLayout
 from tandem.models.loading import CheckpointError, TakeFn, WeightReader, load_param
@@ -98,9 +98,9 @@ class MultiTokenPredictor(nn.Module):
         """``g: [N, H]`` pre-norm MTP output -> ``[N, V] float32``."""
         return self._lm_head(self.shared_head_norm(g))
 
-    def next_tokens(self, g: Tensor) -> Tensor:
-        """``g: [N, H]`` -> ``[N] int64`` argmax proposals."""
-        return self.logits(g).argmax(dim=-1)
+    def next_tokens(self, g: Tensor, allowed: Tensor | None = None) -> Tensor:
+        """``g: [N, H]`` -> ``[N] int64`` argmax proposals (among ``allowed [N, V]``)."""
+        return constrained_argmax(self.logits(g), allowed)
 
     @torch.inference_mode()
     def propose(self, inp: DraftInput, cache: KVCache, num_tokens: int) -> DraftProposal:

@@ -8,6 +8,8 @@ import jsonschema
 import pytest
 import torch
 
+from tandem.decoding import engine as engine_module
+from tandem.decoding.bitmask import token_allowed
 from tandem.decoding.params import SamplingParams
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
 from tandem.llm import LLM
@@ -81,6 +83,27 @@ def test_the_shipped_drafts_are_trained(llms, pair):
     steps = sum(o.stats.steps for o in outputs)
     accepted = sum(o.stats.accepted for o in outputs)
     assert (accepted + steps) / steps >= 2.5, f"mean accepted length {(accepted + steps) / steps:.2f}"
+
+
+@pytest.mark.parametrize("pair", sorted(TRAINED), ids=["+".join(p) for p in sorted(TRAINED)])
+def test_drafts_follow_the_grammar(llms, pair, monkeypatch):
+    """Grammar-aware drafting: no draft is rejected for being forbidden where the grammar allows something."""
+    checked, forbidden = 0, 0
+    real_accept = engine_module.accept
+
+    def spy(logits, drafts, **options):
+        nonlocal checked, forbidden
+        result = real_accept(logits, drafts, **options)
+        for b, n in enumerate(result.num_accepted.tolist()):  # n: the first rejected draft
+            row = options["bitmask"][b, n]
+            if n < drafts.shape[1] and drafts[b, n] >= 0 and row.any():
+                checked += 1
+                forbidden += not bool(token_allowed(row[None], drafts[b, n][None]))
+        return result
+
+    monkeypatch.setattr(engine_module, "accept", spy)
+    generate(llms(*pair), 8, True)
+    assert checked > 0 and forbidden == 0, f"{forbidden} of {checked} rejected drafts were forbidden"
 
 
 def test_think_end_inside_an_accepted_draft_run_splits_reasoning_and_answer(llms):

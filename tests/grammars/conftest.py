@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from tandem.assets import ASSETS_DIR
@@ -69,3 +70,13 @@ def hf_tokenizer(tmp_path_factory):
 def tokenizer(hf_tokenizer) -> GrammarTokenizer:
     """The model vocab is padded past the tokenizer's (as real checkpoints do) by 40 ids."""
     return GrammarTokenizer(hf_tokenizer, vocab_size=len(hf_tokenizer) + 40)
+
+
+def fresh_mask(new_matcher, tokens, width):
+    """The mask of a new matcher fed `tokens` directly: int32 [W]."""
+    matcher = new_matcher()
+    for token in tokens:
+        assert matcher.accept_token(token)
+    out = torch.zeros(1, width, dtype=torch.int32)
+    matcher.fill_bitmask(out, 0)
+    return out[0]

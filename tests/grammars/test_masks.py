@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from tandem.decoding.bitmask import unpack_bitmask
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
 from tandem.grammars.backends import BACKENDS
-from tandem.grammars.masks import SpeculativeMasker
+from tandem.grammars.masks import MaskWalk, SpeculativeMasker
 from tandem.grammars.spec import GrammarSpec
-from tests.grammars.conftest import PERSON_SCHEMA, PERSON_TEXTS
+from tests.grammars.conftest import PERSON_SCHEMA, PERSON_TEXTS, fresh_mask
 
 MAX_K = 5
 
@@ -23,16 +23,6 @@ def grammar(request, tokenizer):
     new_matcher = BACKENDS[request.param].compile(GrammarSpec.json_schema(PERSON_SCHEMA), tokenizer)
     texts = [tokenizer.encode(t) + [tokenizer.eos_token_id] for t in PERSON_TEXTS]
     return new_matcher, texts
-
-
-def fresh_mask(new_matcher, tokens, width):
-    """The mask of a new matcher fed `tokens` directly: int32 [W]."""
-    matcher = new_matcher()
-    for token in tokens:
-        assert matcher.accept_token(token)
-    out = torch.zeros(1, width, dtype=torch.int32)
-    matcher.fill_bitmask(out, 0)
-    return out[0]
 
 
 @st.composite
@@ -92,6 +82,29 @@ def test_mask_walk_leaves_matcher_unchanged(grammar, tokenizer, data):
     matcher.fill_bitmask(out, 0)
     assert torch.equal(out[0], fresh_mask(new_matcher, committed, masker.width))
     assert matcher.is_terminated() == (bool(committed) and committed[-1] == tokenizer.eos_token_id)
+
+
+@settings(max_examples=30)
+@given(data=st.data())
+def test_a_step_by_step_walk_offers_row_i_before_token_i(grammar, tokenizer, data):
+    """Grammar-aware drafting reads row i, picks token i, advances: the rows are `fill`'s."""
+    new_matcher, texts = grammar
+    committed, drafts = make_case(texts, *data.draw(committed_and_drafts(tokenizer.vocab_size)))
+    masker = SpeculativeMasker(tokenizer.vocab_size, len(tokenizer.hf))
+    expected = walk(masker, tokenizer, committed, drafts, new_matcher)
+    k = len(drafts)
+    stepper = MaskWalk(masker, ["r"], k, torch.zeros(1, k + 1, masker.width, dtype=torch.int32),
+                       torch.zeros(1, k + 1, dtype=torch.bool))
+    for i in range(k + 1):
+        assert torch.equal(stepper.allowed()[0], unpack_bitmask(expected[i], tokenizer.vocab_size)), f"row {i}"
+        if i < k:
+            stepper.advance(torch.tensor([drafts[i]]))
+    with pytest.raises(RuntimeError, match="past its k"):
+        stepper.advance([0])
+    stepper.finish()
+    out = torch.zeros(1, masker.width, dtype=torch.int32)
+    masker.row("r").matcher.fill_bitmask(out, 0)
+    assert torch.equal(out[0], fresh_mask(new_matcher, committed, masker.width)), "finish rolls the walk back"
 
 
 @settings(max_examples=40)

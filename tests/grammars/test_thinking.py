@@ -10,7 +10,7 @@ from tandem.grammars.backends import BACKENDS
 from tandem.grammars.masks import SpeculativeMasker
 from tandem.grammars.spec import GrammarSpec
 from tandem.grammars.thinking import ThinkingMarkers, ThinkingTracker
-from tests.grammars.conftest import PERSON_SCHEMA, PERSON_TEXTS
+from tests.grammars.conftest import PERSON_SCHEMA, PERSON_TEXTS, fresh_mask
 
 
 @pytest.fixture(scope="module")
@@ -21,15 +21,6 @@ def markers(hf_tokenizer):
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
 def new_matcher(request, tokenizer):
     return BACKENDS[request.param].compile(GrammarSpec.json_schema(PERSON_SCHEMA), tokenizer)
-
-
-def fresh_mask(new_matcher, tokens, width):
-    matcher = new_matcher()
-    for token in tokens:
-        assert matcher.accept_token(token)
-    out = torch.zeros(1, width, dtype=torch.int32)
-    matcher.fill_bitmask(out, 0)
-    return out[0]
 
 
 def step(masker, drafts):

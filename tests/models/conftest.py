@@ -110,3 +110,26 @@ def reference():
     from types import SimpleNamespace
 
     return SimpleNamespace(rms=_rms, attention=reference_attention, mlp=reference_mlp)
+
+
+class ForcedTokens:
+    """A :class:`~tandem.models.base.DraftConstraint` allowing exactly one token per row and position.
+
+    ``forced [B, k]``; records what the draft advanced it with.
+    """
+
+    def __init__(self, forced: list[list[int]], vocab_size: int):
+        self.forced, self.vocab_size, self.seen = forced, vocab_size, []
+
+    def allowed(self) -> torch.Tensor:
+        mask = torch.zeros(len(self.forced), self.vocab_size, dtype=torch.bool)
+        mask[torch.arange(len(self.forced)), [row[len(self.seen)] for row in self.forced]] = True
+        return mask
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        self.seen.append(tokens.tolist())
+
+    def check(self, proposal) -> None:
+        """The draft proposed the forced tokens, and told the constraint each one in order."""
+        assert proposal.tokens.tolist() == self.forced
+        assert self.seen == [list(column) for column in zip(*self.forced)]

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 from tandem.models import CheckpointError, DraftInput, ForwardBatch, load_draft, load_target
 from tandem.models.eagle import Eagle
+from tests.models.conftest import ForcedTokens
 
 HEADS, KV_HEADS, THETA = 4, 2, 10000.0
 
@@ -124,3 +125,15 @@ def test_mismatched_pairs_and_shapes_fail_with_names(tmp_path, target):
     save_file(w, tmp_path / "bad" / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"'layers\.0\.mlp\.up_proj\.weight' has shape \(95, 64\), expected \(96, 64\)"):
         load_draft(tmp_path / "bad", target)
+
+
+def test_a_constraint_confines_each_proposal(tmp_path, target):
+    write_eagle(tmp_path)
+    draft = load_draft(tmp_path, target)
+    constraint = ForcedTokens([[3, 400, 3, 7], [511, 0, 9, 9]], 512)
+    tokens = torch.randint(512, (2, 6), generator=torch.Generator().manual_seed(4))
+    hidden = target.forward(ForwardBatch.from_rows(tokens.tolist(), [0, 0], [0, 1]), target.new_cache(2, 16),
+                            return_hidden=True).hidden
+    batch = ForwardBatch.from_rows(tokens[:, 1:].tolist(), [1, 1], [0, 1])
+    inp = DraftInput(batch, torch.cat([hidden[:5], hidden[6:11]]), None, constraint)
+    constraint.check(draft.propose(inp, draft.new_cache(2, 16), 4))

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from tandem.models import CheckpointError, DraftInput, ForwardBatch, load_draft, load_target
 from tandem.models.eagle3 import Eagle3
+from tests.models.conftest import ForcedTokens
 
 HEADS, KV_HEADS, THETA, DRAFT_VOCAB = 4, 2, 10000.0, 128  # no rope_theta in the config: 10000
 
@@ -157,3 +158,16 @@ def test_deepseek_v3_target_with_an_mha_eagle3_draft(tmp_path, reference):
     draft = load_draft(tmp_path / "draft", target)
     assert target.aux_layer_ids == (2, 3, 5)
     check_against_reference(draft, target, w, reference, 512)
+
+
+def test_a_constraint_confines_each_proposal_to_allowed_draft_vocab_ids(tmp_path, target):
+    w = write_eagle3(tmp_path)
+    draft = load_draft(tmp_path, target)
+    kept = (w["d2t"] + torch.arange(DRAFT_VOCAB)).tolist()  # the target ids the draft can propose
+    constraint = ForcedTokens([[kept[5], kept[17], kept[3]], [kept[1], kept[90], kept[0]]], 512)
+    tokens = torch.randint(512, (2, 6), generator=torch.Generator().manual_seed(4))
+    aux = target.forward(ForwardBatch.from_rows(tokens.tolist(), [0, 0], [0, 1]), target.new_cache(2, 16),
+                         return_aux=True).aux_hidden
+    batch = ForwardBatch.from_rows(tokens[:, 1:].tolist(), [1, 1], [0, 1])
+    hidden = torch.cat([aux[:5], aux[6:11]])
+    constraint.check(draft.propose(DraftInput(batch, hidden, None, constraint), draft.new_cache(2, 16), 3))

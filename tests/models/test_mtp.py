@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3ForCausalLM
 
 from tandem.models import CheckpointError, DraftInput, ForwardBatch, load_draft, load_target
+from tests.models.conftest import ForcedTokens
 from tests.models.test_deepseek_v3 import save_reference, tiny_config
 
 NUM_LAYERS = 3  # target layers; the MTP layer is model.layers.3
@@ -161,3 +162,16 @@ def test_nextn_checkpoint_for_another_target_is_rejected(tmp_path):
     save_reference(tmp_path / "other", tiny_config(num_hidden_layers=NUM_LAYERS, vocab_size=256))
     with pytest.raises(ValueError, match=r"vocab_size=512\) does not fit the target \(hidden_size=64, vocab_size=256"):
         load_draft(nextn, load_target(tmp_path / "other"))
+
+
+def test_a_constraint_confines_each_proposal(tmp_path):
+    write_target_with_mtp(tmp_path)
+    target = load_target(tmp_path)
+    draft = load_draft("mtp", target)
+    constraint = ForcedTokens([[3, 400, 3], [511, 0, 9]], 512)
+    seqs = torch.randint(512, (2, 6), generator=torch.Generator().manual_seed(4)).tolist()
+    hidden = target.forward(ForwardBatch.from_rows(seqs, [0, 0], [0, 1]), target.new_cache(2, 16),
+                            return_hidden=True).hidden.split([6, 6])
+    inp = pairs_input([s[1:] for s in seqs], [1, 1], [0, 1], [h[:-1] for h in hidden])
+    inp.constraint = constraint
+    constraint.check(draft.propose(inp, draft.new_cache(2, 16), 3))
