@@ -67,6 +67,13 @@ class AcceptanceResult:
     tokens: torch.Tensor
     dead_end: torch.Tensor
 
+    @classmethod
+    def without_drafts(cls, tokens: torch.Tensor) -> AcceptanceResult:
+        """The result of a step with k = 0 from `sample`'s tokens [B] (-1 at a dead end), which
+        equal `accept`'s without drafts."""
+        return cls(num_accepted=torch.zeros_like(tokens), tokens=tokens[:, None],
+                   dead_end=tokens == PLACEHOLDER_TOKEN_ID)
+
     @property
     def num_emitted(self) -> torch.Tensor:
         """[B] int64: tokens to commit per row (accepted drafts + the emitted token, if any)."""

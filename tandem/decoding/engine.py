@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.decoding.acceptance import accept
+from tandem.decoding.acceptance import AcceptanceResult, accept
 from tandem.decoding.output import RequestOutput, StreamDelta, TextAssembler
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams, SamplingTensors, batch_sampling
 from tandem.decoding.rng import derive_seeds
-from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
+from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID, sample
 from tandem.grammars.compiler import CompileJob, GrammarCompiler
 from tandem.grammars.errors import GrammarError
 from tandem.grammars.masks import MaskWalk, SpeculativeMasker
@@ -174,14 +174,19 @@ class Engine:
                                   return_aux=want_hidden and self.draft.hidden_kind == "aux")
         logits = out.logits.view(len(rows), k + 1, -1)
         bitmask, in_thinking = self._wait_masks(masks)
-        result = accept(
-            logits, drafts.to(logits.device, non_blocking=True),
-            draft_probs=self._draft_probs(rows, logits.shape[-1]),
-            sampling=self._sampling(rows, logits.device),
-            bitmask=bitmask,
-            in_thinking=in_thinking,
-            relaxed=self.config.relaxed,
-        )
+        sampling = self._sampling(rows, logits.device)
+        if k == 0:  # the plain path: `sample` is `accept` without drafts, minus the verification work
+            result = AcceptanceResult.without_drafts(
+                sample(logits[:, 0], sampling, None if bitmask is None else bitmask[:, 0]))
+        else:
+            result = accept(
+                logits, drafts.to(logits.device, non_blocking=True),
+                draft_probs=self._draft_probs(rows, logits.shape[-1]),
+                sampling=sampling,
+                bitmask=bitmask,
+                in_thinking=in_thinking,
+                relaxed=self.config.relaxed,
+            )
         deltas = self._commit(rows, result)
         if self.draft is not None:
             self._propose([r for r in rows if r.output.finish_reason is None], rows, out, batch, verify_counts)
