@@ -2,6 +2,7 @@
 
 from tandem.models.base import (
     Draft,
+    DraftConstraint,
     DraftInput,
     DraftProposal,
     ForwardBatch,
@@ -15,6 +16,7 @@ from tandem.models.loading import CheckpointError, WeightReader, load_draft, loa
 __all__ = [
     "CheckpointError",
     "Draft",
+    "DraftConstraint",
     "DraftInput",
     "DraftProposal",
     "ForwardBatch",
