@@ -60,6 +60,35 @@ class StreamDelta:
     finish_reason: str | None = None
 
 
+class IncrementalDecoder:
+    """The text of a growing list of token ids, decoding a few ids per new token, not the whole list.
+
+    vLLM's incremental detokenization: the text the ids from `read` on add is the decode of
+    ids[prefix:] minus the decode of ids[prefix:read], the ids before `read` giving the tokenizer
+    its context (a leading space, bytes merged across tokens). While the new text ends in a
+    partial character it waits for the next token.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = self._read = 0
+
+    def add(self, token_id: int) -> str:
+        """Append one token; returns the whole text so far."""
+        self.ids.append(token_id)
+        known = self._decode(self.ids[self._prefix : self._read])
+        grown = self._decode(self.ids[self._prefix :])
+        if len(grown) > len(known) and not grown.endswith(INCOMPLETE_CHAR):
+            self.text += grown[len(known) :]
+            self._prefix, self._read = self._read, len(self.ids)
+        return self.text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class TextAssembler:
     """Committed token ids -> reasoning and answer text, with EOS and stop strings.
 
@@ -70,13 +99,12 @@ class TextAssembler:
     """
 
     def __init__(self, tokenizer, *, eos_token_ids: set[int], tracker: ThinkingTracker | None, stop: list[str]) -> None:
-        self._tokenizer = tokenizer
         self._eos = eos_token_ids
         self._tracker = tracker
         self._markers = set() if tracker is None else {tracker.markers.open_id, tracker.markers.close_id}
         self._stop = stop
-        self._reasoning_ids: list[int] = []
-        self._answer_ids: list[int] = []
+        self._reasoning = IncrementalDecoder(tokenizer)
+        self._answer = IncrementalDecoder(tokenizer)
         self.reasoning = ""
         self.text = ""
         self.stopped_by: str | None = None  # "eos" | the stop string found
@@ -93,18 +121,15 @@ class TextAssembler:
             if token in self._markers:
                 continue
             if thinking:
-                self._reasoning_ids.append(token)
-                self.reasoning = self._decode(self._reasoning_ids)
-            else:
-                self._answer_ids.append(token)
-                if self._add_answer_token():
-                    return consumed
+                self.reasoning = self._reasoning.add(token)
+            elif self._add_answer_token(token):
+                return consumed
         return len(token_ids)
 
-    def _add_answer_token(self) -> bool:
-        """Decode the grown answer; cut it at the first stop string, if one appeared."""
+    def _add_answer_token(self, token: int) -> bool:
+        """Grow the answer by `token`; cut it at the first stop string, if one appeared."""
         previous = len(self.text)
-        self.text = self._decode(self._answer_ids)
+        self.text = self._answer.add(token)
         longest = max((len(s) for s in self._stop), default=0)
         window_start = max(0, previous - longest + 1)
         hits = [(at, stop) for stop in self._stop if (at := self.text.find(stop, window_start)) >= 0]
@@ -120,10 +145,6 @@ class TextAssembler:
         that could still grow into a stop string."""
         answer = self.text
         if self.stopped_by is None:
-            answer = answer.rstrip(INCOMPLETE_CHAR)
             held = max((n for s in self._stop for n in range(1, len(s)) if answer.endswith(s[:n])), default=0)
             answer = answer[: len(answer) - held]
-        return self.reasoning.rstrip(INCOMPLETE_CHAR), answer
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self.reasoning, answer

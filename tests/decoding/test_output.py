@@ -4,7 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tandem.assets import ASSETS_DIR
-from tandem.decoding.output import GenerationStats, TextAssembler
+from tandem.decoding.output import GenerationStats, IncrementalDecoder, TextAssembler
 from tandem.grammars.thinking import ThinkingMarkers, ThinkingTracker
 
 
@@ -62,3 +62,26 @@ def test_streamable_text_holds_back_a_possible_stop_string_prefix(tokenizer):
 
 def test_mean_accepted_length_counts_the_target_token_of_each_step():
     assert GenerationStats(steps=4, drafted=16, accepted=8).mean_accepted_length == 3.0
+
+
+TEXTS = ['{"city": "Paris", "note": "café ✓ 日本語"}', "  leading spaces\n\tand tabs", "ünïcödé ... €100 — done"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_decoding_equals_decoding_the_whole_list_with_a_short_window(tokenizer, text):
+    ids = _ids(tokenizer, text)
+    windows = []
+    real_decode = tokenizer.decode
+
+    class Recording:
+        def decode(self, token_ids, **options):
+            windows.append(len(token_ids))
+            return real_decode(token_ids, **options)
+
+    decoder, seen = IncrementalDecoder(Recording()), []
+    for token in ids:
+        seen.append(decoder.add(token))
+    assert decoder.text == tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert all(later.startswith(earlier) for earlier, later in zip(seen, seen[1:])), "text only grows"
+    assert "\ufffd" not in "".join(seen), "a partial character is never shown"
+    assert max(windows) <= 8 < len(ids), f"decoded windows of {max(windows)} ids"
