@@ -243,10 +243,13 @@ class Engine:
     def _submit_masks(self, rows: list[_Request], drafts: torch.Tensor) -> tuple[MaskHandle, bool] | None:
         """Start building this step's masks (drafts [B, k] CPU) on the pipeline's worker; None when no
         row has a grammar and relaxed acceptance is off. Returns (handle, whether any row has a grammar)."""
-        any_grammar = any(self.masker.row(r.request_id).matcher is not None for r in rows)
+        any_grammar = self._any_grammar(rows)
         if not any_grammar and (self.config.relaxed is None or self._markers is None):
             return None
         return self.mask_pipeline.submit([r.request_id for r in rows], drafts), any_grammar
+
+    def _any_grammar(self, rows: list[_Request]) -> bool:
+        return any(self.masker.row(r.request_id).matcher is not None for r in rows)
 
     def _wait_masks(self, masks: tuple[MaskHandle, bool] | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Grammar bitmasks [B, k+1, W] (None when no row has a grammar) and thinking phases [B, k+1]
@@ -335,7 +338,7 @@ class Engine:
         if self.draft_cache is not None:
             self.draft_cache.truncate(slots, draft_batch.positions[draft_batch.row_offsets[:-1]])
         walk = None
-        if any(self.masker.row(r.request_id).matcher is not None for r in live):
+        if self._any_grammar(live):
             walk = MaskWalk(self.masker, [r.request_id for r in live], self.k, self._draft_bitmask,
                             self._draft_thinking, device)
         try:

@@ -141,12 +141,12 @@ class MaskWalk:
         self._fill_position()
 
     def finish(self) -> torch.Tensor:
-        """Roll the matchers back; returns allows_nothing ``[B, k+1]`` bool of the rows written so far."""
+        """Roll the matchers back; returns allows_nothing ``[B, position+1]`` bool (the rows written)."""
         for state, accepted in zip(self._states, self._accepted):
             if accepted:
                 state.matcher.rollback(accepted)
         self._accepted = [0] * len(self._states)
-        return (self.bitmask == 0).all(-1)
+        return (self.bitmask[:, : self.position + 1] == 0).all(-1)
 
     def _fill_position(self) -> None:
         i, width = self.position, self.k + 1
