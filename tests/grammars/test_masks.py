@@ -46,6 +46,13 @@ def make_case(texts, text, split, k, corrupt_at, junk):
     return tokens[:split], drafts
 
 
+def draw_case(grammar, tokenizer, data):
+    """One hypothesis example: (new_matcher, committed, drafts, a fresh masker)."""
+    new_matcher, texts = grammar
+    committed, drafts = make_case(texts, *data.draw(committed_and_drafts(tokenizer.vocab_size)))
+    return new_matcher, committed, drafts, SpeculativeMasker(tokenizer.vocab_size, len(tokenizer.hf))
+
+
 def walk(masker, tokenizer, committed, drafts, new_matcher):
     masker.add_row("r", new_matcher())
     masker.commit("r", committed)
@@ -59,9 +66,7 @@ def walk(masker, tokenizer, committed, drafts, new_matcher):
 @settings(max_examples=40)
 @given(data=st.data())
 def test_mask_row_i_equals_fresh_matcher_fed_prefix(grammar, tokenizer, data):
-    new_matcher, texts = grammar
-    committed, drafts = make_case(texts, *data.draw(committed_and_drafts(tokenizer.vocab_size)))
-    masker = SpeculativeMasker(tokenizer.vocab_size, len(tokenizer.hf))
+    new_matcher, committed, drafts, masker = draw_case(grammar, tokenizer, data)
     rows = walk(masker, tokenizer, committed, drafts, new_matcher)
     for i in range(len(drafts) + 1):
         assert torch.equal(rows[i], fresh_mask(new_matcher, committed + drafts[:i], masker.width)), f"row {i}"
@@ -73,9 +78,7 @@ def test_mask_row_i_equals_fresh_matcher_fed_prefix(grammar, tokenizer, data):
 @settings(max_examples=40)
 @given(data=st.data())
 def test_mask_walk_leaves_matcher_unchanged(grammar, tokenizer, data):
-    new_matcher, texts = grammar
-    committed, drafts = make_case(texts, *data.draw(committed_and_drafts(tokenizer.vocab_size)))
-    masker = SpeculativeMasker(tokenizer.vocab_size, len(tokenizer.hf))
+    new_matcher, committed, drafts, masker = draw_case(grammar, tokenizer, data)
     walk(masker, tokenizer, committed, drafts, new_matcher)
     matcher = masker.row("r").matcher
     out = torch.zeros(1, masker.width, dtype=torch.int32)
@@ -88,9 +91,7 @@ def test_mask_walk_leaves_matcher_unchanged(grammar, tokenizer, data):
 @given(data=st.data())
 def test_a_step_by_step_walk_offers_row_i_before_token_i(grammar, tokenizer, data):
     """Grammar-aware drafting reads row i, picks token i, advances: the rows are `fill`'s."""
-    new_matcher, texts = grammar
-    committed, drafts = make_case(texts, *data.draw(committed_and_drafts(tokenizer.vocab_size)))
-    masker = SpeculativeMasker(tokenizer.vocab_size, len(tokenizer.hf))
+    new_matcher, committed, drafts, masker = draw_case(grammar, tokenizer, data)
     expected = walk(masker, tokenizer, committed, drafts, new_matcher)
     k = len(drafts)
     stepper = MaskWalk(masker, ["r"], k, torch.zeros(1, k + 1, masker.width, dtype=torch.int32),
@@ -130,9 +131,7 @@ def test_rollback_restores_exact_state(grammar, tokenizer, data, rollback):
 @settings(max_examples=40)
 @given(data=st.data(), num_accepted=st.integers(0, MAX_K))
 def test_commit_after_any_acceptance_equals_direct_feed(grammar, tokenizer, data, num_accepted):
-    new_matcher, texts = grammar
-    committed, drafts = make_case(texts, *data.draw(committed_and_drafts(tokenizer.vocab_size)))
-    masker = SpeculativeMasker(tokenizer.vocab_size, len(tokenizer.hf))
+    new_matcher, committed, drafts, masker = draw_case(grammar, tokenizer, data)
     rows = walk(masker, tokenizer, committed, drafts, new_matcher)
     num_accepted = min(num_accepted, len(drafts))
     allowed = unpack_bitmask(rows, tokenizer.vocab_size)
