@@ -338,7 +338,7 @@ class Engine:
         if self.draft_cache is not None:
             self.draft_cache.truncate(slots, draft_batch.positions[draft_batch.row_offsets[:-1]])
         walk = None
-        if self._any_grammar(live):
+        if self.draft.follows_constraint and self._any_grammar(live):
             walk = MaskWalk(self.masker, [r.request_id for r in live], self.k, self._draft_bitmask,
                             self._draft_thinking, device)
         try:

@@ -23,7 +23,8 @@ input of decoder layer ``i`` (before any final norm); the default capture points
 Changes to this contract are listed here:
 
 - ``DraftInput.constraint`` (optional, :class:`DraftConstraint`): drafts that choose their
-  tokens (EAGLE, EAGLE-3, MTP) pick each one among the tokens the row's grammar allows.
+  tokens (EAGLE, EAGLE-3, MTP; ``Draft.follows_constraint``) pick each one among the tokens
+  the row's grammar allows.
 """
 
 from __future__ import annotations
@@ -251,9 +252,11 @@ HiddenKind = Literal["last", "aux", None]
 @runtime_checkable
 class Draft(Protocol):
     """A draft model. ``hidden_kind`` says what it reads: the target's ``hidden`` ("last"), ``aux_hidden``
-    ("aux"), or nothing (None)."""
+    ("aux"), or nothing (None). ``follows_constraint`` says whether ``propose`` reads
+    ``DraftInput.constraint`` (drafts that copy tokens, like n-gram lookup, do not)."""
 
     hidden_kind: HiddenKind
+    follows_constraint: bool
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache | None: ...
 

@@ -69,6 +69,7 @@ class Eagle(nn.Module):
     """The EAGLE-1/2 draft (implements :class:`tandem.models.base.Draft`); reads the target's ``hidden``."""
 
     hidden_kind = "last"
+    follows_constraint = True
 
     def __init__(self, config: dict[str, Any], target: Target, *, dtype: torch.dtype, device: torch.device | str):
         super().__init__()

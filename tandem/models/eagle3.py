@@ -73,6 +73,7 @@ class Eagle3(nn.Module):
     """The EAGLE-3 draft (implements :class:`tandem.models.base.Draft`); reads the target's ``aux_hidden``."""
 
     hidden_kind = "aux"
+    follows_constraint = True
 
     def __init__(self, config: dict[str, Any], target: Target, *, dtype: torch.dtype, device: torch.device | str):
         super().__init__()

@@ -44,6 +44,7 @@ class MultiTokenPredictor(nn.Module):
     """
 
     hidden_kind = "last"
+    follows_constraint = True
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ class NgramDraft:
     """Implements :class:`tandem.models.base.Draft` without a model: needs ``DraftInput.history``."""
 
     hidden_kind = None
+    follows_constraint = False  # it copies tokens from the history; the verify masks judge them
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 5):
         if not 1 <= min_ngram <= max_ngram:
