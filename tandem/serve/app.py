@@ -145,7 +145,7 @@ def create_app(llm: LLM, model_name: str, draft: str | None) -> FastAPI:
         ctx = server.context("chatcmpl")
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _event_stream(_chat_stream(generation, ctx, len(prompt), plan.tools, include_usage))
+            return _event_stream(_chat_stream(generation, ctx, len(prompt), plan, include_usage))
         outputs = await _collect(generation, request)
         return JSONResponse(responses.chat_completion(ctx, len(prompt), outputs, plan.tools))
 
@@ -195,27 +195,38 @@ def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
 
 
 async def _chat_stream(generation: Generation, ctx: responses.ResponseContext, prompt_tokens: int,
-                       call_tools: list[tools.Tool], include_usage: bool) -> AsyncIterator[str]:
+                       plan: tools.ToolPlan, include_usage: bool) -> AsyncIterator[str]:
     """SSE chunks of a chat completion. Reasoning streams as it comes; so does the answer, except
-    when it may be a tool call: then it is held and sent whole (as `tool_calls` or `content`) at the end."""
+    when it may be a tool call: then it is held until it starts a call, whose arguments then stream
+    (`tools.CallStream`, where `plan.stream_calls`), or sent whole (as `tool_calls` or `content`) at the end."""
     outputs: list[RequestOutput] = []
+    names = [tool.function.name for tool in plan.tools]
+    calls = [tools.CallStream(names) if plan.stream_calls else None for _ in generation.jobs]
     try:
         for index in range(len(generation.jobs)):
             yield responses.sse(responses.chat_chunk(ctx, index, {"role": "assistant", "content": ""}))
         async for event in generation.events():
+            call = calls[event.index]
             if event.delta is not None:
                 delta = responses.reasoning_fields(event.delta.reasoning)
-                if event.delta.text and not call_tools:
+                if event.delta.text and not plan.tools:
                     delta["content"] = event.delta.text
+                elif event.delta.text and call is not None and (entries := call.feed(event.delta.text)):
+                    delta["tool_calls"] = entries
                 if delta:
                     yield responses.sse(responses.chat_chunk(ctx, event.index, delta))
                 continue
             outputs.append(event.output)
             delta, finish_reason = {}, event.output.finish_reason
-            if call_tools:
-                message, finish_reason = responses.chat_message(event.output, call_tools)
-                calls = message.get("tool_calls")
-                delta = {"tool_calls": [{"index": 0, **calls[0]}]} if calls else {"content": message["content"]}
+            if call is not None and call.is_call:
+                complete = finish_reason == "stop"
+                if entries := call.finish(complete):
+                    delta = {"tool_calls": entries}
+                finish_reason = "tool_calls" if complete else finish_reason
+            elif plan.tools:
+                message, finish_reason = responses.chat_message(event.output, plan.tools)
+                whole = message.get("tool_calls")
+                delta = {"tool_calls": [{"index": 0, **whole[0]}]} if whole else {"content": message["content"]}
             yield responses.sse(responses.chat_chunk(ctx, event.index, delta, finish_reason))
         if include_usage:
             yield responses.sse(responses.usage_chunk(ctx, "chat.completion.chunk", prompt_tokens, outputs))

@@ -10,12 +10,16 @@ constrained per `tool_choice`:
   given, else any JSON object without an `arguments` key (so that whatever has the shape of a
   call is a valid call);
 - `none` (or no tools): only `response_format` applies, and the answer is never read as a call.
+
+Streamed, a call's arguments arrive piecewise as the model writes them (`CallStream`), once the
+answer's text has started a call and nothing else can start that way.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +36,9 @@ class ToolPlan:
     schema: dict[str, Any] | bool | None  # the answer's JSON schema; None = free text
     schema_param: str  # the request field the schema came from, for error messages
     tools: list[Tool]  # the tools an answer may call (empty: never read as a call)
+    # Whether an answer that starts like a call is one, so that a stream may send it piecewise
+    # (not when a response_format schema could also admit call-shaped objects).
+    stream_calls: bool = False
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:
@@ -61,12 +68,12 @@ def plan(request: ChatCompletionRequest) -> ToolPlan:
             offered = [tool.function.name for tool in tools]
             raise invalid(f"tool_choice names function {choice.function.name!r}, which is not among tools {offered}",
                           param="tool_choice")
-        return ToolPlan(call_schema(named[0]), "tools", named)
+        return ToolPlan(call_schema(named[0]), "tools", named, stream_calls=True)
     calls = [call_schema(tool) for tool in tools]
     if choice == "required":
-        return ToolPlan(calls[0] if len(calls) == 1 else {"anyOf": calls}, "tools", tools)
+        return ToolPlan(calls[0] if len(calls) == 1 else {"anyOf": calls}, "tools", tools, stream_calls=True)
     plain = ANY_PLAIN_ANSWER if answer_schema is None else answer_schema
-    return ToolPlan({"anyOf": [*calls, plain]}, "tools", tools)
+    return ToolPlan({"anyOf": [*calls, plain]}, "tools", tools, stream_calls=answer_schema is None)
 
 
 def parse_call(answer: str, tools: list[Tool]) -> dict[str, Any] | None:
@@ -82,5 +89,73 @@ def parse_call(answer: str, tools: list[Tool]) -> dict[str, Any] | None:
     if not (isinstance(call, dict) and set(call) == {"name", "arguments"} and call["name"] in names
             and isinstance(call["arguments"], dict)):
         return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": _new_call_id(), "type": "function",
             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+
+
+def _new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class CallStream:
+    """One streamed answer read as a tool call: the OpenAI `tool_calls` delta entries to send.
+
+    The answer is a call once its text starts `{"name": "<offered tool>", "arguments":` (compared
+    without whitespace; tool names have none). From then on the arguments' text is sent as it
+    comes, less any trailing `}` and whitespace, which may be the call object's own end; `finish`
+    sends the rest. Concatenated, the argument pieces are the model's arguments text exactly.
+    """
+
+    def __init__(self, tool_names: Iterable[str]):
+        self._heads = {f'{{"name":"{name}","arguments":': name for name in tool_names}
+        self._longest_head = max(map(len, self._heads), default=0)
+        self._text = ""
+        self._args_start: int | None = None  # where the arguments start in the text, once a call
+        self._sent = 0  # characters of the (left-stripped) arguments sent
+
+    @property
+    def is_call(self) -> bool:
+        return self._args_start is not None
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """The entries that the answer's next piece `text` makes ready (often none)."""
+        self._text += text
+        entries = [] if self.is_call else self._start()
+        if self.is_call:
+            args = self._arguments()
+            entries += self._send(args[: len(args.rstrip("} \t\n\r"))])
+        return entries
+
+    def finish(self, complete: bool) -> list[dict[str, Any]]:
+        """The last entries of a call: the arguments' unsent rest; `complete` (the answer ended with
+        the call object's `}`, not cut short) drops that final `}`. Nothing for an answer that is no call."""
+        if not self.is_call:
+            return []
+        args = self._arguments().rstrip()
+        if complete and args.endswith("}"):
+            args = args[:-1].rstrip()
+        return self._send(args)
+
+    def _start(self) -> list[dict[str, Any]]:
+        """The call's first entry (id, name) if the text has just completed a call's head."""
+        compact = ""  # the text so far without whitespace, up to the longest head
+        for end, char in enumerate(self._text):
+            if char.isspace():
+                continue
+            compact += char
+            if compact in self._heads:
+                self._args_start = end + 1
+                return [{"index": 0, "id": _new_call_id(), "type": "function",
+                         "function": {"name": self._heads[compact], "arguments": ""}}]
+            if len(compact) >= self._longest_head:
+                break
+        return []
+
+    def _arguments(self) -> str:
+        return self._text[self._args_start:].lstrip()
+
+    def _send(self, ready: str) -> list[dict[str, Any]]:
+        if len(ready) <= self._sent:
+            return []
+        piece, self._sent = ready[self._sent:], len(ready)
+        return [{"index": 0, "function": {"arguments": piece}}]

@@ -131,11 +131,18 @@ def test_auto_tool_choice_returns_a_valid_call_or_an_answer(client):
         assert "arguments" not in json.loads(choice.message.content)
 
 
-def test_streamed_tool_call_arrives_whole(client):
-    chunks = list(_chat(client, WEATHER, max_tokens=80, tools=[WEATHER_TOOL], tool_choice="required", stream=True))
-    calls = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
-    assert len(calls) == 1 and calls[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER_TOOL["function"]["parameters"])
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_a_streamed_tool_call_arrives_piecewise_and_equals_the_unstreamed_one(client, tool_choice):
+    request = {"messages": WEATHER, "max_tokens": 80, "tools": [WEATHER_TOOL], "tool_choice": tool_choice}
+    (whole,) = _chat(client, **request).choices[0].message.tool_calls
+    chunks = list(_chat(client, **request, stream=True))
+    entries = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+    first, *pieces = entries
+    assert first.id.startswith("call_") and first.function.name == "get_weather" and first.function.arguments == ""
+    assert len(pieces) > 3 and all(piece.id is None and piece.function.name is None for piece in pieces)
+    arguments = "".join(piece.function.arguments for piece in pieces)
+    assert json.loads(arguments) == json.loads(whole.function.arguments)
+    assert all(chunk.choices[0].delta.content in (None, "") for chunk in chunks if chunk.choices)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
