@@ -38,8 +38,8 @@ def from_validation(error: pydantic.ValidationError) -> APIError:
     first = error.errors(include_url=False)[0]
     param = ".".join(str(part) for part in first["loc"]) or None
     where = f"{param}: " if param else ""
-    return invalid(f"{where}{first['msg']}", param=param,
-                   code="missing_required_parameter" if first["type"] == "missing" else "invalid_value")
+    codes = {"missing": "missing_required_parameter", "unsupported_parameter": "unsupported_parameter"}
+    return invalid(f"{where}{first['msg']}", param=param, code=codes.get(first["type"], "invalid_value"))
 
 
 def from_exception(error: Exception, *, schema_param: str, prompt_param: str) -> APIError:

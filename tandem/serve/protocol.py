@@ -3,21 +3,31 @@
 `ChatCompletionRequest` and `CompletionRequest` share the sampling fields of `SamplingRequest`;
 `SamplingRequest.sampling_params` turns them into one `SamplingParams` per choice (n choices,
 derived seeds). Ranges follow OpenAI's where it defines them; a violation is reported by
-`errors.from_validation` as a 400 naming the field. Fields OpenAI defines and tandem does not
-implement are ignored, as are unknown fields.
+`errors.from_validation` as a 400 naming the field. Sampling fields OpenAI defines and tandem
+does not implement (`UNSUPPORTED`) are refused unless they ask for nothing; unknown fields and
+informational ones (`user`, `metadata`, ...) are ignored, as vLLM does.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from tandem.decoding.params import SamplingParams
 
 MAX_N = 8  # choices per request; each one is a row of the engine batch
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 SEED_MODULUS = 2**63  # choice i of a seeded request samples with seed (seed + i) mod this
+# OpenAI fields that would change the output and that tandem does not implement, with the values
+# that ask for nothing (accepted, so that clients sending their defaults work).
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""),
+}
 
 
 class _Body(BaseModel):
@@ -93,6 +103,23 @@ class SamplingRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    presence_penalty: Any = None  # UNSUPPORTED: present so that a value asking for something is refused
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator(*UNSUPPORTED)
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = UNSUPPORTED[info.field_name]
+        if value in neutral:
+            return value
+        raise PydanticCustomError("unsupported_parameter", "tandem does not implement {field}; leave it out or send {ok}",
+                                  {"field": info.field_name, "ok": " or ".join(map(json.dumps, neutral[1:]))})
 
     @field_validator("stop")
     @classmethod

@@ -63,6 +63,25 @@ def test_out_of_range_param_is_named(http, field, value):
     assert error["param"] == field
 
 
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"17": 100}), ("logprobs", True),
+    ("top_logprobs", 3),
+])
+def test_a_sampling_field_tandem_does_not_implement_is_refused_by_name(http, field, value):
+    error = _error(_post(http, _chat(**{field: value})), 400)
+    assert error["param"] == field and error["code"] == "unsupported_parameter" and field in error["message"]
+
+
+def test_unimplemented_fields_at_their_neutral_values_and_unknown_fields_are_accepted(http):
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": False,
+               "user": "u-1", "parallel_tool_calls": True, "x_vendor_extension": [1]}
+    assert _post(http, _chat(**neutral)).status_code == 200
+    completion = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "echo": False, "best_of": 1, "logprobs": 0}
+    assert _post(http, completion, "/v1/completions").status_code == 200
+    error = _error(_post(http, {**completion, "echo": True}, "/v1/completions"), 400)
+    assert error["param"] == "echo"
+
+
 def test_invalid_schema_names_its_location(http):
     response_format = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "integr"}}}
     error = _error(_post(http, _chat(response_format=response_format)), 400)
