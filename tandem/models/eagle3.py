@@ -89,7 +89,8 @@ class Eagle3(nn.Module):
         self.midlayer = MidLayer(config, **factory)
         self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6), **factory)
         self.lm_head = nn.Linear(hidden, self.draft_vocab_size, bias=False, **factory)
-        self.d2t = nn.Buffer(torch.zeros(self.draft_vocab_size, dtype=torch.int64, device=device))
+        # draft id d -> target id d + d2t[d]: [draft_V] int64, set by `build` from the checkpoint's d2t
+        self.target_ids = nn.Buffer(torch.arange(self.draft_vocab_size, device=device), persistent=False)
         self.rotary = Rotary(config, self.midlayer.self_attn.head_dim, dtype)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
@@ -108,9 +109,8 @@ class Eagle3(nn.Module):
     def next_tokens(self, hidden: Tensor, allowed: Tensor | None = None) -> Tensor:
         """``hidden [B, H]`` -> target ids ``[B]`` int64 of the draft-vocabulary argmax (among the
         draft ids whose target ids ``allowed [B, V_target]`` allows)."""
-        target_ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t  # [draft_V]
-        allowed = None if allowed is None else allowed[:, target_ids]
-        return target_ids[constrained_argmax(self.lm_head(self.norm(hidden)), allowed)]
+        allowed = None if allowed is None else allowed[:, self.target_ids]
+        return self.target_ids[constrained_argmax(self.lm_head(self.norm(hidden)), allowed)]
 
     def propose(self, inp: DraftInput, cache: KVCache, num_tokens: int) -> DraftProposal:
         """Greedy EAGLE-3 proposals ``tokens [B, num_tokens]``; ``probs`` None (deterministic)."""
@@ -146,15 +146,14 @@ def build(
     prefix = layer_prefix(weights)
     for name, param in checkpoint_tensors(draft):
         load_param(param, weights.take, prefix + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name)
+    mapped = torch.arange(draft.draft_vocab_size, device=device)
     if "d2t" in weights:
-        draft.d2t.copy_(weights.take("d2t", (draft.draft_vocab_size,), dtype=torch.int64))
+        mapped += weights.take("d2t", (draft.draft_vocab_size,), dtype=torch.int64).to(device)
     elif draft.draft_vocab_size != target.vocab_size:
         raise CheckpointError(f"{weights.path}: draft_vocab_size {draft.draft_vocab_size} < target vocab but no 'd2t'")
-    else:
-        draft.d2t.zero_()
-    mapped = torch.arange(draft.draft_vocab_size, device=draft.d2t.device) + draft.d2t
     if (mapped < 0).any() or (mapped >= target.vocab_size).any():
         raise CheckpointError(f"{weights.path}: d2t maps draft ids outside the target vocab [0, {target.vocab_size})")
+    draft.target_ids.copy_(mapped)
     if "t2d" in weights:
         weights.take("t2d", (target.vocab_size,), dtype=torch.bool)  # shape-checked; d2t alone maps ids
     weights.finish(ignore=[r"(model\.)?embed_tokens\.weight$"])
