@@ -77,7 +77,7 @@ class LLM:
         try:
             while True:
                 for delta in self.engine.step():
-                    if delta.request_id == request_id and (delta.text or delta.reasoning or delta.finish_reason):
+                    if delta.request_id == request_id and (delta.has_content or delta.finish_reason):
                         yield delta
                     if delta.request_id == request_id and delta.finish_reason is not None:
                         self.engine.pop_finished(request_id)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.decoding.acceptance import AcceptanceResult, accept
+from tandem.decoding.logprobs import TokenLogprob, token_logprobs
 from tandem.decoding.output import RequestOutput, StreamDelta, TextAssembler
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams, SamplingTensors, batch_sampling
 from tandem.decoding.rng import derive_seeds
@@ -129,7 +130,8 @@ class Engine:
             grammar_job=self.compile_grammar(params),
             tokens=list(prompt),
         )
-        request.output = RequestOutput(request_id=request_id, prompt_token_ids=list(prompt))
+        request.output = RequestOutput(request_id=request_id, prompt_token_ids=list(prompt),
+                                       logprobs=None if params.logprobs is None else [])
         self._waiting.append(request)
         return request_id
 
@@ -187,7 +189,7 @@ class Engine:
                 in_thinking=in_thinking,
                 relaxed=self.config.relaxed,
             )
-        deltas = self._commit(rows, result)
+        deltas = self._commit(rows, result, logits)
         if self.draft is not None:
             self._propose([r for r in rows if r.output.finish_reason is None], rows, out, batch, verify_counts)
         return deltas
@@ -277,7 +279,8 @@ class Engine:
                 probs[b, : len(r.drafts)] = r.draft_probs
         return probs
 
-    def _commit(self, rows: list[_Request], result) -> list[StreamDelta]:
+    def _commit(self, rows: list[_Request], result: AcceptanceResult, logits: torch.Tensor) -> list[StreamDelta]:
+        """Append each row's emitted tokens (logits [B, k+1, V]: the positions that emitted them)."""
         deltas = []
         emitted_counts = result.num_emitted.tolist()
         accepted_counts = result.num_accepted.tolist()
@@ -303,7 +306,9 @@ class Engine:
                 reason = "grammar_dead_end"
             elif r.num_generated >= r.params.max_tokens or len(r.tokens) + self.k + 1 > self.config.max_model_len:
                 reason = "length"
-            deltas.append(self._delta(r, emitted, reason))
+            logprobs = None if r.params.logprobs is None else token_logprobs(
+                logits[b, : len(emitted)], emitted, r.params.logprobs)
+            deltas.append(self._delta(r, emitted, logprobs, reason))
             if reason is not None:
                 self._finish(r, reason)
                 self._running.remove(r)
@@ -356,13 +361,16 @@ class Engine:
             r.draft_probs = None if proposal.probs is None else proposal.probs[b, : len(drafts)]
 
     # ---------------------------------------------------------------- outputs
-    def _delta(self, r: _Request, emitted: list[int], reason: str | None) -> StreamDelta:
+    def _delta(self, r: _Request, emitted: list[int], logprobs: list[TokenLogprob] | None,
+               reason: str | None) -> StreamDelta:
         reasoning, text = r.text.streamable() if reason is None else (r.text.reasoning, r.text.text)
         out = r.output
         delta = StreamDelta(r.request_id, text=text[len(out.text):], reasoning=reasoning[len(out.reasoning):],
-                            token_ids=emitted, finish_reason=reason)
+                            token_ids=emitted, finish_reason=reason, logprobs=logprobs)
         out.text, out.reasoning = text, reasoning
         out.token_ids.extend(emitted)
+        if logprobs is not None:
+            out.logprobs.extend(logprobs)
         return delta
 
     def _finish(self, r: _Request, reason: str) -> None:

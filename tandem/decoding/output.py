@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.decoding.logprobs import TokenLogprob
 from tandem.grammars.thinking import ThinkingTracker
 
 INCOMPLETE_CHAR = "\ufffd"  # what a tokenizer decodes a partial UTF-8 sequence to
@@ -43,6 +44,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "grammar_dead_end" | "abort" | "error" | None (running)
     stats: GenerationStats = field(default_factory=GenerationStats)
     error: str | None = None  # why a request failed before generating (finish_reason "error")
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, if SamplingParams.logprobs asked
 
     @property
     def finished(self) -> bool:
@@ -58,6 +60,12 @@ class StreamDelta:
     reasoning: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, if SamplingParams.logprobs asked
+
+    @property
+    def has_content(self) -> bool:
+        """Whether there is anything to show: text, reasoning or log-probabilities."""
+        return bool(self.text or self.reasoning or self.logprobs)
 
 
 class IncrementalDecoder:

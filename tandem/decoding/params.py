@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.decoding.logprobs import MAX_LOGPROBS
+
 _FIELDS = {  # name -> dtype every SamplingTensors field must have
     "temperature": torch.float32,
     "top_k": torch.int64,
@@ -167,6 +169,8 @@ class SamplingParams:
     stop_token_ids: token ids that end the request like EOS (kept in token_ids, not in the text).
     At most one of json_schema (dict, JSON string or pydantic model class), regex, grammar
     (Lark/EBNF) and choice (list of strings) constrains the answer.
+    logprobs: None, or N in 0..20: return each generated token's log-probability under the
+    target model (tandem.decoding.logprobs) and those of the N most likely tokens at its position.
     """
 
     temperature: float = 0.0
@@ -181,6 +185,7 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.temperature >= 0, "temperature", self.temperature, ">= 0")
@@ -189,6 +194,8 @@ class SamplingParams:
         _require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an int >= 1")
         _require(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an int or None")
+        _require(self.logprobs is None or isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS,
+                 "logprobs", self.logprobs, f"None or an int in 0..{MAX_LOGPROBS}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _require(all(isinstance(s, str) and s for s in self.stop or []), "stop", self.stop, "non-empty strings")

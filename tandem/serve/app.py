@@ -10,6 +10,7 @@ invalid fields both come back as 400 naming the field, as OpenAI does (never Fas
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -42,6 +43,7 @@ class Server:
         self.metrics = Metrics()
         self.runner = EngineRunner(llm.engine, self.metrics)
         self.created = int(time.time())
+        self.token_text = functools.lru_cache(maxsize=None)(lambda token_id: llm.tokenizer.decode([token_id]))
 
     async def parse(self, request: Request, body_type: type[Body]) -> Body:
         """The request body as `body_type`; 400 for malformed JSON or invalid fields, 404 for another model."""
@@ -60,7 +62,7 @@ class Server:
         return body
 
     def context(self, object_prefix: str) -> responses.ResponseContext:
-        return responses.ResponseContext(object_prefix, self.model_name, self.draft, self.llm.engine.k)
+        return responses.ResponseContext(object_prefix, self.model_name, self.draft, self.llm.engine.k, self.token_text)
 
     def jobs(self, body: SamplingRequest, prompt: list[int], schema: dict | bool | None, prompt_param: str) -> list[Job]:
         """The engine requests of one prompt: one per choice, max_tokens defaulting to the room left."""
@@ -213,8 +215,8 @@ async def _chat_stream(generation: Generation, ctx: responses.ResponseContext, p
                     delta["content"] = event.delta.text
                 elif event.delta.text and call is not None and (entries := call.feed(event.delta.text)):
                     delta["tool_calls"] = entries
-                if delta:
-                    yield responses.sse(responses.chat_chunk(ctx, event.index, delta))
+                if delta or event.delta.logprobs:
+                    yield responses.sse(responses.chat_chunk(ctx, event.index, delta, logprobs=event.delta.logprobs))
                 continue
             outputs.append(event.output)
             delta, finish_reason = {}, event.output.finish_reason
@@ -241,10 +243,14 @@ async def _completion_stream(generation: Generation, ctx: responses.ResponseCont
                              include_usage: bool) -> AsyncIterator[str]:
     """SSE chunks of a text completion: each choice's answer (and reasoning) as it is generated."""
     outputs: list[RequestOutput] = []
+    offsets = [0] * len(generation.jobs)  # text of each choice's tokens so far (legacy logprobs' text_offset)
     try:
         async for event in generation.events():
             if event.delta is not None:
-                choice = responses.completion_choice(event.index, event.delta.text, event.delta.reasoning, None)
+                logprobs = responses.completion_logprobs(ctx, event.delta.logprobs, offsets[event.index])
+                if logprobs is not None:
+                    offsets[event.index] += sum(map(len, logprobs["tokens"]))
+                choice = responses.completion_choice(event.index, event.delta.text, event.delta.reasoning, None, logprobs)
             else:
                 outputs.append(event.output)
                 choice = responses.completion_choice(event.index, "", "", event.output.finish_reason)

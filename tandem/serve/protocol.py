@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from tandem.decoding.logprobs import MAX_LOGPROBS
 from tandem.decoding.params import SamplingParams
 
 MAX_N = 8  # choices per request; each one is a row of the engine batch
@@ -25,8 +26,7 @@ SEED_MODULUS = 2**63  # choice i of a seeded request samples with seed (seed + i
 # that ask for nothing (accepted, so that clients sending their defaults work).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
 }
 
 
@@ -106,8 +106,6 @@ class SamplingRequest(_Body):
     presence_penalty: Any = None  # UNSUPPORTED: present so that a value asking for something is refused
     frequency_penalty: Any = None
     logit_bias: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
@@ -141,13 +139,17 @@ class SamplingRequest(_Body):
         """The request's cap on new tokens (None: up to the context length)."""
         return self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        """`SamplingParams.logprobs`: None, or how many most likely tokens to return beside each one."""
+        return None
+
     def sampling_params(self, max_tokens: int, json_schema: dict[str, Any] | bool | None) -> list[SamplingParams]:
         """One SamplingParams per choice; choice i of a seeded request uses seed + i."""
         return [
             SamplingParams(
                 temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
                 seed=None if self.seed is None else (self.seed + i) % SEED_MODULUS,
-                max_tokens=max_tokens, stop=self.stop, json_schema=json_schema,
+                max_tokens=max_tokens, stop=self.stop, json_schema=json_schema, logprobs=self.num_logprobs(),
             )
             for i in range(self.n)
         ]
@@ -194,14 +196,30 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
 
     def token_budget(self) -> int | None:
         """`max_completion_tokens` (OpenAI's current name) or else `max_tokens`."""
         return self.max_completion_tokens or self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the legacy API's top-N count
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

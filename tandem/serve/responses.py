@@ -3,7 +3,8 @@
 Reasoning (text inside `<think>…</think>`) is returned as `reasoning_content` and, for clients
 that read the newer name, `reasoning`; the answer is `content`. Speculative-decoding counters
 ride along in the extra top-level field `speculative_decoding` (non-streaming responses and the
-streaming usage chunk).
+streaming usage chunk). Log-probabilities, when asked for, cover every generated token, the
+reasoning's included (as vLLM's do).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.decoding.logprobs import TokenLogprob
 from tandem.decoding.output import GenerationStats, RequestOutput
 from tandem.serve import tools
 from tandem.serve.protocol import Tool
@@ -27,6 +30,7 @@ class ResponseContext:
     model: str
     draft: str | None
     num_speculative_tokens: int
+    token_text: Callable[[int], str]  # a token id's text, for log-probabilities
     id: str = ""
     created: int = 0
 
@@ -55,6 +59,29 @@ def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
+def chat_logprobs(ctx: ResponseContext, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """A chat choice's `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}]}` (None if not asked)."""
+    if entries is None:
+        return None
+
+    def token(token_id: int, logprob: float) -> dict[str, Any]:
+        text = ctx.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**token(e.token_id, e.logprob), "top_logprobs": [token(*top) for top in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(ctx: ResponseContext, entries: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    """A text completion choice's legacy `logprobs` (None if not asked); `offset`: the text before these tokens."""
+    if entries is None:
+        return None
+    tokens = [ctx.token_text(e.token_id) for e in entries]
+    starts = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{ctx.token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": starts}
+
+
 def reasoning_fields(reasoning: str) -> dict[str, str]:
     """The reasoning under both names clients read it by (empty dict for no reasoning)."""
     return {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
@@ -78,25 +105,30 @@ def chat_completion(ctx: ResponseContext, prompt_tokens: int, outputs: list[Requ
     choices = []
     for index, output in enumerate(outputs):
         message, finish_reason = chat_message(output, call_tools)
-        choices.append({"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None})
+        choices.append({"index": index, "message": message, "finish_reason": finish_reason,
+                        "logprobs": chat_logprobs(ctx, output.logprobs)})
     return {**ctx.envelope("chat.completion"), "choices": choices, "usage": usage(prompt_tokens, outputs),
             "speculative_decoding": ctx.speculative(outputs)}
 
 
-def chat_chunk(ctx: ResponseContext, index: int, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-    """A `chat.completion.chunk` carrying one choice's delta."""
-    choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+def chat_chunk(ctx: ResponseContext, index: int, delta: dict[str, Any], finish_reason: str | None = None,
+               logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    """A `chat.completion.chunk` carrying one choice's delta (and its tokens' log-probabilities)."""
+    choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": chat_logprobs(ctx, logprobs)}
     return {**ctx.envelope("chat.completion.chunk"), "choices": [choice]}
 
 
-def completion_choice(index: int, text: str, reasoning: str, finish_reason: str | None) -> dict[str, Any]:
+def completion_choice(index: int, text: str, reasoning: str, finish_reason: str | None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One `text_completion` choice; reasoning, if the model thought, under the chat names."""
-    return {"index": index, "text": text, **reasoning_fields(reasoning), "finish_reason": finish_reason, "logprobs": None}
+    return {"index": index, "text": text, **reasoning_fields(reasoning), "finish_reason": finish_reason,
+            "logprobs": logprobs}
 
 
 def completion(ctx: ResponseContext, prompt_tokens: int, outputs: list[RequestOutput]) -> dict[str, Any]:
     """A `text_completion` body; choice i is outputs[i]."""
-    choices = [completion_choice(i, out.text, out.reasoning, out.finish_reason) for i, out in enumerate(outputs)]
+    choices = [completion_choice(i, out.text, out.reasoning, out.finish_reason, completion_logprobs(ctx, out.logprobs))
+               for i, out in enumerate(outputs)]
     return {**ctx.envelope("text_completion"), "choices": choices, "usage": usage(prompt_tokens, outputs),
             "speculative_decoding": ctx.speculative(outputs)}
 

@@ -236,7 +236,7 @@ class EngineRunner:
         """Hand out this step's deltas, then the outputs of requests that finished (one call per generation)."""
         events: dict[Generation, list[Event | Exception]] = defaultdict(list)
         for delta in deltas:
-            if delta.request_id in self._live and (delta.text or delta.reasoning):
+            if delta.request_id in self._live and delta.has_content:
                 generation, index = self._live[delta.request_id]
                 events[generation].append(Event(index, delta=delta))
         for request_id in list(self._live):

@@ -1,5 +1,5 @@
 """Every target/draft pair on the shipped demo models, fp32: speculative greedy output equals plain greedy
-output token for token (batch 1 and 8, with and without a JSON schema), the trained drafts are
+output token for token, log-probabilities included (batch 1 and 8, with and without a JSON schema), the trained drafts are
 actually accepted, and `</think>` inside an accepted draft run splits reasoning and answer right."""
 
 import json
@@ -13,6 +13,7 @@ from tandem.decoding.bitmask import token_allowed
 from tandem.decoding.params import SamplingParams
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
 from tandem.llm import LLM
+from tests.engine.test_logprobs import assert_same_logprobs
 from tests.models.test_eagle3 import write_eagle3
 
 EXAMPLES = generate_examples(8, seed=11, split="heldout")
@@ -52,7 +53,7 @@ def generate(llm: LLM, batch: int, schema: bool):
     for first in range(0, len(examples), batch):
         ids = []
         for example in examples[first : first + batch]:
-            params = SamplingParams(max_tokens=MAX_TOKENS,
+            params = SamplingParams(max_tokens=MAX_TOKENS, logprobs=1,
                                     json_schema=TASK_FAMILIES[example.family].schema if schema else None)
             ids.append(engine.add_request(llm.chat_prompt(example.messages, example.tools), params))
         while engine.has_unfinished():
@@ -68,7 +69,7 @@ def test_speculative_greedy_equals_plain_greedy_token_for_token(llms, pair, batc
     model, draft = pair
     plain = generate(llms(model, None), batch, schema)
     speculative = generate(llms(model, draft), batch, schema)
-    assert [o.token_ids for o in speculative] == [o.token_ids for o in plain]
+    assert_same_logprobs(speculative, plain)  # same tokens, and their log-probabilities
     assert sum(o.stats.drafted for o in speculative) > 0
     if schema:
         for example, output in zip(EXAMPLES, speculative):

@@ -84,6 +84,23 @@ def test_streaming_matches_non_streaming(client):
     assert chunks[-1].speculative_decoding["steps"] >= 1
 
 
+def test_chat_logprobs_cover_every_token_streamed_or_not(client):
+    whole = _chat(client, max_tokens=24, logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:  # greedy: the token is the most likely one, and the top three are sorted
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == entry.top_logprobs[0].logprob <= 0 and bytes(entry.bytes).decode() == entry.token
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    message = whole.choices[0].message
+    assert "".join(entry.token for entry in content).endswith(message.content)
+    chunks = list(_chat(client, max_tokens=24, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [entry for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    assert _chat(client, max_tokens=4).choices[0].logprobs is None
+
+
 def test_n_choices_with_one_seed_are_reproducible(client):
     kwargs = {"temperature": 1.0, "seed": 1234, "max_tokens": 12}
     first, second = _chat(client, n=3, **kwargs), _chat(client, n=3, **kwargs)
@@ -169,6 +186,19 @@ def test_text_completion_streams(client):
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_text_completion_logprobs_streamed_or_not(client):
+    request = {"model": MODEL, "prompt": "The weather in", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    whole = client.completions.create(**request).choices[0]
+    logprobs = whole.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    assert all(len(top) == 2 and max(top.values()) == lp for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(6)]
+    chunks = list(client.completions.create(**request, stream=True))
+    pieces = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+    assert sum((p.tokens for p in pieces), []) == logprobs.tokens
+    assert sum((p.text_offset for p in pieces), []) == logprobs.text_offset
 
 
 def test_metrics_count_requests_and_tokens(client, http):

@@ -56,7 +56,7 @@ def test_unknown_model_is_404(http):
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", 2.5), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5), ("n", 0), ("n", 99),
-    ("max_tokens", 0), ("max_completion_tokens", -1), ("stop", ["a", "b", "c", "d", "e"]),
+    ("max_tokens", 0), ("max_completion_tokens", -1), ("stop", ["a", "b", "c", "d", "e"]), ("top_logprobs", 21),
 ])
 def test_out_of_range_param_is_named(http, field, value):
     error = _error(_post(http, _chat(**{field: value})), 400)
@@ -64,8 +64,7 @@ def test_out_of_range_param_is_named(http, field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"17": 100}), ("logprobs", True),
-    ("top_logprobs", 3),
+    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"17": 100}),
 ])
 def test_a_sampling_field_tandem_does_not_implement_is_refused_by_name(http, field, value):
     error = _error(_post(http, _chat(**{field: value})), 400)
@@ -73,13 +72,18 @@ def test_a_sampling_field_tandem_does_not_implement_is_refused_by_name(http, fie
 
 
 def test_unimplemented_fields_at_their_neutral_values_and_unknown_fields_are_accepted(http):
-    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": False,
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
                "user": "u-1", "parallel_tool_calls": True, "x_vendor_extension": [1]}
     assert _post(http, _chat(**neutral)).status_code == 200
-    completion = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "echo": False, "best_of": 1, "logprobs": 0}
+    completion = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "echo": False, "best_of": 1}
     assert _post(http, completion, "/v1/completions").status_code == 200
     error = _error(_post(http, {**completion, "echo": True}, "/v1/completions"), 400)
     assert error["param"] == "echo"
+
+
+def test_top_logprobs_needs_logprobs(http):
+    error = _error(_post(http, _chat(top_logprobs=2)), 400)
+    assert error["param"] == "top_logprobs" and "logprobs: true" in error["message"]
 
 
 def test_invalid_schema_names_its_location(http):

@@ -1,0 +1,36 @@
+"""Log-probabilities of generated tokens, as `SamplingParams.logprobs` asks for them.
+
+They are the target model's own: a log-softmax of its raw logits at the position that emitted
+the token, before the grammar mask and the sampling settings (vLLM's default, "raw logprobs").
+A speculative step reads them from the verify pass, so they equal the plain path's up to float
+rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_LOGPROBS = 20  # most likely alternatives per token, as OpenAI's top_logprobs allows
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first (ties: lower id first)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """logits [n, V] (any float dtype) of the positions that emitted token_ids [n]; num_top >= 0."""
+    log_probs = logits.float().log_softmax(dim=-1)
+    chosen = log_probs.gather(-1, torch.tensor(token_ids, device=logits.device).unsqueeze(-1)).squeeze(-1).tolist()
+    if num_top == 0:
+        return [TokenLogprob(token, logprob, []) for token, logprob in zip(token_ids, chosen)]
+    values, ids = log_probs.sort(dim=-1, descending=True, stable=True)  # stable: lower id first among ties
+    values, ids = values[:, :num_top].tolist(), ids[:, :num_top].tolist()
+    return [TokenLogprob(token, logprob, list(zip(top_ids, top_values)))
+            for token, logprob, top_ids, top_values in zip(token_ids, chosen, ids, values)]
