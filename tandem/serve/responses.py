@@ -9,6 +9,7 @@ reasoning's included (as vLLM's do).
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -77,7 +78,7 @@ def completion_logprobs(ctx: ResponseContext, entries: list[TokenLogprob] | None
     if entries is None:
         return None
     tokens = [ctx.token_text(e.token_id) for e in entries]
-    starts = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    starts = list(itertools.accumulate(map(len, tokens[:-1]), initial=offset)) if tokens else []
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{ctx.token_text(t): lp for t, lp in e.top} for e in entries], "text_offset": starts}
 
