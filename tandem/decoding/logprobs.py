@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_LOGPROBS = 20  # most likely alternatives per token, as OpenAI's top_logprobs allows
+from tandem.decoding.sampling import sorted_candidates
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> 
     chosen = log_probs.gather(-1, torch.tensor(token_ids, device=logits.device).unsqueeze(-1)).squeeze(-1).tolist()
     if num_top == 0:
         return [TokenLogprob(token, logprob, []) for token, logprob in zip(token_ids, chosen)]
-    values, ids = log_probs.sort(dim=-1, descending=True, stable=True)  # stable: lower id first among ties
-    values, ids = values[:, :num_top].tolist(), ids[:, :num_top].tolist()
+    values, ids = sorted_candidates(log_probs, min(num_top, log_probs.shape[-1]))
+    values, ids = values.tolist(), ids.tolist()
     return [TokenLogprob(token, logprob, list(zip(top_ids, top_values)))
             for token, logprob, top_ids, top_values in zip(token_ids, chosen, ids, values)]

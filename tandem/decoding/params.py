@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.decoding.logprobs import MAX_LOGPROBS
+MAX_LOGPROBS = 20  # SamplingParams.logprobs at most: alternatives per token, as OpenAI's top_logprobs allows
 
 _FIELDS = {  # name -> dtype every SamplingTensors field must have
     "temperature": torch.float32,

@@ -79,7 +79,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     """
     vocab_size = logits.shape[-1]
     num_candidates = min(vocab_size, max(TOP_P_CANDIDATES, max_top_k))
-    values, ids = _sorted_candidates(logits, num_candidates)  # [N, C], most likely first
+    values, ids = sorted_candidates(logits, num_candidates)  # [N, C], most likely first
     kth = values.gather(-1, (top_k.clamp(1, num_candidates) - 1).unsqueeze(-1))
     kth = kth.masked_fill((top_k == 0).unsqueeze(-1), float("-inf"))  # [N, 1], top-k's threshold
     logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -99,7 +99,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     logits = logits.masked_fill(remove, float("-inf"))
     undecided = (~decided).nonzero().squeeze(-1)
     if undecided.numel():
-        full_values, full_ids = _sorted_candidates(logits[undecided], vocab_size)
+        full_values, full_ids = sorted_candidates(logits[undecided], vocab_size)
         full_probs = full_values.softmax(dim=-1)
         full_keep = (full_probs.cumsum(dim=-1) - full_probs) < top_p[undecided].unsqueeze(-1)
         full_remove = torch.empty_like(full_keep).scatter_(-1, full_ids, ~full_keep)
@@ -107,7 +107,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return logits
 
 
-def _sorted_candidates(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sorted_candidates(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `count` largest logits per row, ordered by value descending, then id ascending.
 
     logits: [N, V]  ->  values [N, count] float32, ids [N, count] int64

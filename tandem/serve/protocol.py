@@ -16,8 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from tandem.decoding.logprobs import MAX_LOGPROBS
-from tandem.decoding.params import SamplingParams
+from tandem.decoding.params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 8  # choices per request; each one is a row of the engine batch
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
