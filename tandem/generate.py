@@ -7,13 +7,14 @@ import json
 import sys
 from pathlib import Path
 
+from tandem.assets import DEFAULT_MODEL
 from tandem.decoding.params import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?",
                         default="Classify the sentiment of this review: I was delighted with the toaster.")
-    parser.add_argument("--model", default="demo-llama", help="demo-llama, demo-deepseek or a local HF directory")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="demo-deepseek, demo-llama or a local HF directory")
     parser.add_argument("--draft", default="auto",
                         help="auto (the model's best shipped draft), none, eagle, eagle3, mtp, ngram or a directory")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.assets import ASSETS_DIR
+from tandem.assets import ASSETS_DIR, DEFAULT_MODEL
 from tandem.decoding.engine import Engine, EngineConfig
 from tandem.decoding.output import RequestOutput, StreamDelta
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
@@ -18,16 +18,16 @@ Prompt = str | Sequence[int]
 class LLM:
     """A target model, an optional draft, a tokenizer and the engine that runs them.
 
-    model: "demo-llama", "demo-deepseek" (shipped in tandem/assets) or a local Hugging Face
-        directory. draft: None (plain decoding), "eagle", "eagle3" (the draft shipped next to
-        the model, `<model>-<kind>`), "mtp" (the target checkpoint's own MTP layers), "ngram",
-        or a local draft checkpoint directory.
+    model: "demo-deepseek" (the default) or "demo-llama" (shipped in tandem/assets), or a local
+        Hugging Face directory. draft: None (plain decoding), "eagle", "eagle3" (the draft shipped
+        next to the model, `<model>-<kind>`), "mtp" (the target checkpoint's own MTP layers),
+        "ngram", or a local draft checkpoint directory.
     dtype: None = the checkpoint's dtype on a GPU, float32 on the CPU (faster there than bf16).
     """
 
     def __init__(
         self,
-        model: str = "demo-llama",
+        model: str = DEFAULT_MODEL,
         draft: str | None = None,
         *,
         num_speculative_tokens: int = 4,

@@ -13,11 +13,13 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
+from tandem.assets import DEFAULT_MODEL
+
 STARTUP_TIMEOUT_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="demo-llama", help="demo-llama, demo-deepseek or a local HF directory")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="demo-deepseek, demo-llama or a local HF directory")
     parser.add_argument("--draft", default="auto",
                         help="auto (the model's best shipped draft), none, eagle, eagle3, mtp, ngram or a directory")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
@@ -27,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
 
 
-def build_app(model: str = "demo-llama", draft: str | None = "auto", num_speculative_tokens: int = 4,
+def build_app(model: str = DEFAULT_MODEL, draft: str | None = "auto", num_speculative_tokens: int = 4,
               served_model_name: str | None = None, max_num_seqs: int = 8) -> FastAPI:
     """Load the model (and its draft: "auto" = the best one available, None = plain decoding) and
     return the app serving it."""

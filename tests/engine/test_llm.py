@@ -90,7 +90,7 @@ def test_cli_generate_runs_the_demo_model_with_its_best_draft_and_a_schema(tmp_p
     (tmp_path / "schema.json").write_text(json.dumps(schema))
     assert cli.main(["generate", "--json", "--max-tokens", "96", "--schema", str(tmp_path / "schema.json")]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (out["model"], out["draft"]) == ("demo-llama", "eagle3")
+    assert (out["model"], out["draft"]) == ("demo-deepseek", "mtp")
     assert out["finish_reason"] == "stop" and out["reasoning"]
     jsonschema.validate(json.loads(out["text"]), schema)
     assert out["stats"]["mean_accepted_length"] > 1
