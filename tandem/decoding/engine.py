@@ -5,8 +5,9 @@ One `step()` runs, for every running row (DESIGN.md, "The speculative step"):
 1. merge   per row, the tokens to verify: a new row feeds its whole prompt (no drafts); a
            running row feeds [t_last, d_0 .. d_{k_b-1}] at positions L-1 .. L-1+k_b
 2. verify  one ragged target forward; logits at each row's k_b+1 verify positions
-3. masks   per-position grammar bitmasks and thinking phases for the draft window, built on a
-           worker thread while the target runs (`MaskPipeline`)
+3. masks   per-position grammar bitmasks and thinking phases for the draft window: the ones the
+           draft's grammar walk built for these very drafts (step 6 of the previous step), else
+           built on a worker thread while the target runs (`MaskPipeline`)
 4. accept  `decoding.accept`; rows with k_b < k pad their drafts with -1 (a plain step there)
 5. commit  accepted drafts + the emitted token, cut by max_tokens / EOS / stop strings /
            grammar termination; KV caches truncated to the committed length
@@ -69,6 +70,8 @@ class _Request:
     tokens: list[int] = field(default_factory=list)  # prompt + committed output
     drafts: list[int] = field(default_factory=list)  # pending drafts for the next verify
     draft_probs: torch.Tensor | None = None  # [len(drafts), V] or None (deterministic)
+    # The drafts' verify masks from the draft's grammar walk: (bitmask [k+1, W], in_thinking [k+1])
+    walked_masks: tuple[torch.Tensor, torch.Tensor] | None = None
     slot: int = -1
     output: RequestOutput | None = None
 
@@ -96,7 +99,7 @@ class Engine:
         self.masker = SpeculativeMasker(target.vocab_size, len(tokenizer), end_token_ids=sorted(self._eos))
         self.device = next(iter(target.parameters())).device if hasattr(target, "parameters") else torch.device("cpu")
         self.mask_pipeline = MaskPipeline(self.masker, config.max_num_seqs, self.k, self.device)
-        # Scratch for grammar-aware drafting (the verify masks are rebuilt by the pipeline).
+        # Scratch for grammar-aware drafting; each row keeps a copy of its own for the next verify.
         self._draft_bitmask = torch.zeros(config.max_num_seqs, self.k + 1, self.masker.width, dtype=torch.int32)
         self._draft_thinking = torch.zeros(config.max_num_seqs, self.k + 1, dtype=torch.bool)
         self.target_cache = target.new_cache(config.max_num_seqs, config.max_model_len)
@@ -248,6 +251,9 @@ class Engine:
         any_grammar = self._any_grammar(rows)
         if not any_grammar and (self.config.relaxed is None or self._markers is None):
             return None
+        if all(r.walked_masks is not None for r in rows):  # built while drafting: `fill` is that same walk
+            bitmask, in_thinking = (torch.stack(masks) for masks in zip(*(r.walked_masks for r in rows)))
+            return MaskHandle.ready(bitmask, in_thinking, self.device), any_grammar
         return self.mask_pipeline.submit([r.request_id for r in rows], drafts), any_grammar
 
     def _any_grammar(self, rows: list[_Request]) -> bool:
@@ -297,7 +303,7 @@ class Engine:
             stats.steps += 1
             stats.drafted += len(r.drafts)
             stats.accepted += min(accepted_counts[b], len(emitted))
-            r.drafts, r.draft_probs = [], None
+            r.drafts, r.draft_probs, r.walked_masks = [], None, None
             self.target_cache.truncate(torch.tensor([r.slot]), torch.tensor([len(r.tokens) - 1]))
             reason = None
             if r.text.stopped_by is not None or self.masker.is_terminated(r.request_id):
@@ -359,6 +365,8 @@ class Engine:
                 drafts = drafts[: drafts.index(PLACEHOLDER_TOKEN_ID)]
             r.drafts = drafts
             r.draft_probs = None if proposal.probs is None else proposal.probs[b, : len(drafts)]
+            if walk is not None and len(drafts) == self.k:  # the walk went through exactly these drafts
+                r.walked_masks = walk.bitmask[b].clone(), walk.in_thinking[b].clone()
 
     # ---------------------------------------------------------------- outputs
     def _delta(self, r: _Request, emitted: list[int], logprobs: list[TokenLogprob] | None,

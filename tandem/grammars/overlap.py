@@ -81,6 +81,13 @@ class MaskHandle:
     def __init__(self, future: Future):
         self._future = future
 
+    @classmethod
+    def ready(cls, bitmask: torch.Tensor, in_thinking: torch.Tensor, device: torch.device) -> "MaskHandle":
+        """A handle to masks built already (bitmask [B, k+1, W] int32, in_thinking [B, k+1] bool, CPU)."""
+        future = Future()
+        future.set_result((bitmask.to(device), in_thinking.to(device), (bitmask == 0).all(-1), None))
+        return cls(future)
+
     def wait(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(bitmask [B, k+1, W] int32, in_thinking [B, k+1] bool, allows_nothing [B, k+1] bool CPU).
 

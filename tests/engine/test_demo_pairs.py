@@ -107,6 +107,36 @@ def test_drafts_follow_the_grammar(llms, pair, monkeypatch):
     assert checked > 0 and forbidden == 0, f"{forbidden} of {checked} rejected drafts were forbidden"
 
 
+@pytest.mark.parametrize("pair", sorted(TRAINED), ids=["+".join(p) for p in sorted(TRAINED)])
+def test_verify_masks_come_from_the_draft_walk_and_equal_a_fresh_fill(llms, pair, monkeypatch):
+    """A step whose rows all verify the drafts their grammar walk went through takes its masks from
+    that walk (no pipeline job); they equal, bit for bit, what `fill` builds from scratch."""
+    engine = llms(*pair).engine
+    submit_masks, submit_job = engine._submit_masks, engine.mask_pipeline.submit
+    reused, jobs = 0, 0
+
+    def checked_masks(rows, drafts):
+        nonlocal reused
+        masks = submit_masks(rows, drafts)
+        if masks is not None and all(r.walked_masks is not None for r in rows):
+            reused += 1
+            bitmask, in_thinking, _ = masks[0].wait()
+            fresh_bitmask, fresh_thinking = torch.zeros_like(bitmask), torch.zeros_like(in_thinking)
+            engine.masker.fill([r.request_id for r in rows], drafts, fresh_bitmask, fresh_thinking)
+            assert torch.equal(bitmask, fresh_bitmask) and torch.equal(in_thinking, fresh_thinking)
+        return masks
+
+    def counted_job(*args):
+        nonlocal jobs
+        jobs += 1
+        return submit_job(*args)
+
+    monkeypatch.setattr(engine, "_submit_masks", checked_masks)
+    monkeypatch.setattr(engine.mask_pipeline, "submit", counted_job)
+    generate(llms(*pair), 8, True)
+    assert reused > 3 * jobs > 0, (reused, jobs)  # jobs: the prefill, and steps whose drafts were cut
+
+
 def test_think_end_inside_an_accepted_draft_run_splits_reasoning_and_answer(llms):
     llm = llms("demo-llama", "eagle3")
     close = llm.tokenizer.convert_tokens_to_ids("</think>")
