@@ -8,7 +8,8 @@ One `step()` runs, for every running row (DESIGN.md, "The speculative step"):
 3. masks   per-position grammar bitmasks and thinking phases for the draft window: the ones the
            draft's grammar walk built for these very drafts (step 6 of the previous step), else
            built on a worker thread while the target runs (`MaskPipeline`)
-4. accept  `decoding.accept`; rows with k_b < k pad their drafts with -1 (a plain step there)
+4. accept  `decoding.accept`; rows with k_b < k pad their drafts with -1 (a plain step there);
+           penalties and logit biases first adjust the logits of the rows that ask for them
 5. commit  accepted drafts + the emitted token, cut by max_tokens / EOS / stop strings /
            grammar termination; KV caches truncated to the committed length
 6. propose the draft reads the target's hidden states at the committed positions; rows with a
@@ -31,6 +32,7 @@ from tandem.decoding.acceptance import AcceptanceResult, accept
 from tandem.decoding.logprobs import TokenLogprob, token_logprobs
 from tandem.decoding.output import RequestOutput, StreamDelta, TextAssembler
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams, SamplingTensors, batch_sampling
+from tandem.decoding.penalties import LogitAdjustments
 from tandem.decoding.rng import derive_seeds
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID, sample
 from tandem.grammars.compiler import CompileJob, GrammarCompiler
@@ -113,7 +115,8 @@ class Engine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request; raises PromptTooLongError (nothing is queued) if it cannot fit."""
+        """Queue a request. Nothing is queued when it raises: PromptTooLongError if the prompt cannot fit,
+        ValueError for an empty prompt or a token id (prompt or logit bias) outside the vocabulary."""
         if not prompt:
             raise ValueError("prompt is empty: give at least one token")
         room = self.config.max_model_len - len(prompt) - self.k - 1
@@ -121,6 +124,11 @@ class Engine:
             raise PromptTooLongError(
                 f"prompt has {len(prompt)} tokens; the context is {self.config.max_model_len} tokens "
                 f"({self.k + 1} reserved for speculation), so nothing can be generated")
+        vocab_size = self.target.vocab_size
+        for what, ids in (("prompt", prompt), ("SamplingParams.logit_bias", params.logit_bias or {})):
+            outside = next((i for i in ids if not 0 <= i < vocab_size), None)
+            if outside is not None:
+                raise ValueError(f"{what}: token id {outside} is outside the vocabulary [0, {vocab_size})")
         request_id = request_id or f"req-{next(self._ids)}"
         request = _Request(
             request_id=request_id,
@@ -178,14 +186,16 @@ class Engine:
                                   return_hidden=want_hidden and self.draft.hidden_kind == "last",
                                   return_aux=want_hidden and self.draft.hidden_kind == "aux")
         logits = out.logits.view(len(rows), k + 1, -1)
+        drafts = drafts.to(logits.device, non_blocking=True)
+        scores = self._adjusted(rows, logits, drafts)
         bitmask, in_thinking = self._wait_masks(masks)
         sampling = self._sampling(rows, logits.device)
         if k == 0:  # the plain path: `sample` is `accept` without drafts, minus the verification work
             result = AcceptanceResult.without_drafts(
-                sample(logits[:, 0], sampling, None if bitmask is None else bitmask[:, 0]))
+                sample(scores[:, 0], sampling, None if bitmask is None else bitmask[:, 0]))
         else:
             result = accept(
-                logits, drafts.to(logits.device, non_blocking=True),
+                scores, drafts,
                 draft_probs=self._draft_probs(rows, logits.shape[-1]),
                 sampling=sampling,
                 bitmask=bitmask,
@@ -267,6 +277,16 @@ class Engine:
         handle, any_grammar = masks
         bitmask, in_thinking, _ = handle.wait()
         return bitmask if any_grammar else None, in_thinking if self.config.relaxed is not None else None
+
+    @staticmethod
+    def _adjusted(rows: list[_Request], logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """The logits [B, k+1, V] with each row's penalties and logit bias applied (`decoding.penalties`);
+        the model's own when no row asks for any (such steps pay nothing)."""
+        if not any(r.params.adjusts_logits for r in rows):
+            return logits
+        adjustments = LogitAdjustments.build([r.params for r in rows], [r.prompt for r in rows],
+                                             [r.tokens[len(r.prompt):] for r in rows], logits.shape[-1], logits.device)
+        return adjustments.apply(logits, drafts)
 
     @staticmethod
     def _sampling(rows: list[_Request], device: torch.device) -> SamplingTensors | None:

@@ -1,9 +1,9 @@
 """Log-probabilities of generated tokens, as `SamplingParams.logprobs` asks for them.
 
 They are the target model's own: a log-softmax of its raw logits at the position that emitted
-the token, before the grammar mask and the sampling settings (vLLM's default, "raw logprobs").
-A speculative step reads them from the verify pass, so they equal the plain path's up to float
-rounding.
+the token, before the grammar mask, penalties, logit bias and the sampling settings (vLLM's
+default, "raw logprobs"). A speculative step reads them from the verify pass, so they equal the
+plain path's up to float rounding.
 """
 
 from __future__ import annotations

@@ -171,6 +171,11 @@ class SamplingParams:
     (Lark/EBNF) and choice (list of strings) constrains the answer.
     logprobs: None, or N in 0..20: return each generated token's log-probability under the
     target model (tandem.decoding.logprobs) and those of the N most likely tokens at its position.
+    presence_penalty, frequency_penalty (in [-2, 2], 0 = off; OpenAI's) subtract from a token's logit
+    once if it occurs in the output so far, and once per occurrence; repetition_penalty (> 0, 1 = off;
+    HF's and vLLM's) divides a positive logit of a token seen in the prompt or output by it and
+    multiplies a negative one; logit_bias maps token ids to values in [-100, 100] added to their
+    logits (tandem.decoding.penalties has the order and the speculative semantics).
     """
 
     temperature: float = 0.0
@@ -186,6 +191,10 @@ class SamplingParams:
     grammar: str | None = None
     choice: list[str] | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         _require(self.temperature >= 0, "temperature", self.temperature, ">= 0")
@@ -196,6 +205,12 @@ class SamplingParams:
         _require(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an int or None")
         _require(self.logprobs is None or isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS,
                  "logprobs", self.logprobs, f"None or an int in 0..{MAX_LOGPROBS}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _require(-2 <= getattr(self, name) <= 2, name, getattr(self, name), "in [-2, 2]")
+        _require(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
+        _require(self.logit_bias is None or all(
+            isinstance(token, int) and token >= 0 and -100 <= bias <= 100 for token, bias in self.logit_bias.items()),
+            "logit_bias", self.logit_bias, "a dict of token ids >= 0 to values in [-100, 100]")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _require(all(isinstance(s, str) and s for s in self.stop or []), "stop", self.stop, "non-empty strings")
@@ -206,6 +221,11 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a logit bias changes this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
 
 
 def _require(ok: bool, name: str, value: object, rule: str) -> None:

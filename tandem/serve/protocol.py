@@ -2,7 +2,8 @@
 
 `ChatCompletionRequest` and `CompletionRequest` share the sampling fields of `SamplingRequest`;
 `SamplingRequest.sampling_params` turns them into one `SamplingParams` per choice (n choices,
-derived seeds). Ranges follow OpenAI's where it defines them; a violation is reported by
+derived seeds), with vLLM's `repetition_penalty` beside OpenAI's penalties and `logit_bias`.
+Ranges follow OpenAI's where it defines them; a violation is reported by
 `errors.from_validation` as a 400 naming the field. Sampling fields OpenAI defines and tandem
 does not implement (`UNSUPPORTED`) are refused unless they ask for nothing; unknown fields and
 informational ones (`user`, `metadata`, ...) are ignored, as vLLM does.
@@ -24,7 +25,6 @@ SEED_MODULUS = 2**63  # choice i of a seeded request samples with seed (seed + i
 # OpenAI fields that would change the output and that tandem does not implement, with the values
 # that ask for nothing (accepted, so that clients sending their defaults work).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
 }
 
@@ -102,10 +102,11 @@ class SamplingRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    presence_penalty: Any = None  # UNSUPPORTED: present so that a value asking for something is refused
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    echo: Any = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, description="vLLM's extension; 1: off")
+    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    echo: Any = None  # UNSUPPORTED: present so that a value asking for something is refused
     best_of: Any = None
     suffix: Any = None
 
@@ -149,6 +150,8 @@ class SamplingRequest(_Body):
                 temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
                 seed=None if self.seed is None else (self.seed + i) % SEED_MODULUS,
                 max_tokens=max_tokens, stop=self.stop, json_schema=json_schema, logprobs=self.num_logprobs(),
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0, logit_bias=self.logit_bias or None,
             )
             for i in range(self.n)
         ]

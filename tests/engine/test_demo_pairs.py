@@ -7,7 +7,9 @@ import json
 import jsonschema
 import pytest
 import torch
+from transformers import AutoTokenizer
 
+from tandem.assets import ASSETS_DIR
 from tandem.decoding import engine as engine_module
 from tandem.decoding.bitmask import token_allowed
 from tandem.decoding.params import SamplingParams
@@ -47,13 +49,15 @@ def llms(random_eagle3):
     return get
 
 
-def generate(llm: LLM, batch: int, schema: bool):
-    """Greedy outputs for EXAMPLES, `batch` requests at a time (batch 1: the first three, to save time)."""
+def generate(llm: LLM, batch: int, schema: bool, adjustments: list[dict] | None = None):
+    """Greedy outputs for EXAMPLES, `batch` requests at a time (batch 1: the first three, to save time);
+    example i also gets the SamplingParams fields `adjustments[i % len(adjustments)]`."""
     engine, outputs, examples = llm.engine, [], EXAMPLES if batch > 1 else EXAMPLES[:3]
+    adjustments = adjustments or [{}]
     for first in range(0, len(examples), batch):
         ids = []
-        for example in examples[first : first + batch]:
-            params = SamplingParams(max_tokens=MAX_TOKENS, logprobs=1,
+        for i, example in enumerate(examples[first : first + batch], start=first):
+            params = SamplingParams(max_tokens=MAX_TOKENS, logprobs=1, **adjustments[i % len(adjustments)],
                                     json_schema=TASK_FAMILIES[example.family].schema if schema else None)
             ids.append(engine.add_request(llm.chat_prompt(example.messages, example.tools), params))
         while engine.has_unfinished():
@@ -75,6 +79,30 @@ def test_speculative_greedy_equals_plain_greedy_token_for_token(llms, pair, batc
         for example, output in zip(EXAMPLES, speculative):
             if output.finish_reason == "stop":
                 jsonschema.validate(json.loads(output.text), TASK_FAMILIES[example.family].schema)
+
+
+# Both demo models share the tokenizer; the biased tokens are ones their answers use.
+_TOKEN = AutoTokenizer.from_pretrained(ASSETS_DIR / "tokenizer").convert_tokens_to_ids
+PENALTIES = [{"frequency_penalty": 0.8}, {"repetition_penalty": 1.3}, {},
+             {"presence_penalty": 1.5, "logit_bias": {_TOKEN("positive"): 4.0, _TOKEN('"}'): -100.0}}]
+
+
+@pytest.mark.parametrize("schema", [False, True], ids=["free", "schema"])
+@pytest.mark.parametrize("pair", sorted(TRAINED), ids=["+".join(p) for p in sorted(TRAINED)])
+def test_speculative_greedy_equals_plain_greedy_with_penalties_and_logit_bias(llms, pair, schema):
+    """Each verify position counts the drafts before it as output: speculation changes nothing, while the
+    penalties do change what is generated."""
+    model, draft = pair
+    plain = generate(llms(model, None), 8, schema, PENALTIES)
+    speculative = generate(llms(model, draft), 8, schema, PENALTIES)
+    assert_same_logprobs(speculative, plain)
+    assert sum(o.stats.accepted for o in speculative) > 0
+    unadjusted = generate(llms(model, None), 8, schema)
+    changed = [a.token_ids != b.token_ids for a, b in zip(plain, unadjusted)]
+    assert not any(changed[2::4]) and sum(changed) >= 4, changed
+    for example, output in zip(EXAMPLES, speculative):
+        if schema and output.finish_reason == "stop":
+            jsonschema.validate(json.loads(output.text), TASK_FAMILIES[example.family].schema)
 
 
 @pytest.mark.parametrize("pair", sorted(TRAINED), ids=["+".join(p) for p in sorted(TRAINED)])

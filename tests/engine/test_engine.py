@@ -50,10 +50,13 @@ def test_ngram_drafts_are_accepted_on_repetitive_text(llama_target, llama_drafts
     assert max(o.stats.mean_accepted_length for o in outputs) > 1.5
 
 
+@pytest.mark.parametrize("adjust", [{}, {"frequency_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {7: 2.0}}],
+                         ids=["plain", "penalties"])
 @pytest.mark.parametrize("draft", [None, "ngram"])
-def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llama_target, llama_drafts, tokenizer, draft):
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llama_target, llama_drafts, tokenizer, draft,
+                                                                       adjust):
     model = None if draft is None else llama_drafts[draft]
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, **adjust)
     alone = run(llama_target, model, tokenizer, PROMPTS[1:2], params)[0]
     again = run(llama_target, model, tokenizer, PROMPTS[1:2], params)[0]
     others = [SamplingParams(temperature=1.0, seed=s, max_tokens=10 + s) for s in range(7)]
@@ -111,3 +114,16 @@ def test_a_prompt_longer_than_the_context_is_refused_and_the_engine_goes_on(llam
     while engine.has_unfinished():
         engine.step()
     assert len(engine.pop_finished(request).token_ids) == 4
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_goes_on(llama_target, tokenizer):
+    engine = Engine(llama_target, None, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=32))
+    vocab_size = llama_target.vocab_size
+    with pytest.raises(ValueError, match=f"prompt: token id {vocab_size} is outside the vocabulary"):
+        engine.add_request([1, vocab_size, 3], SamplingParams())
+    with pytest.raises(ValueError, match="SamplingParams.logit_bias: token id"):
+        engine.add_request([1, 2], SamplingParams(logit_bias={vocab_size + 5: 1.0}))
+    forced = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, logit_bias={11: 100.0}))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pop_finished(forced).token_ids == [11] * 4

@@ -57,22 +57,49 @@ def test_unknown_model_is_404(http):
 @pytest.mark.parametrize("field, value", [
     ("temperature", 2.5), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5), ("n", 0), ("n", 99),
     ("max_tokens", 0), ("max_completion_tokens", -1), ("stop", ["a", "b", "c", "d", "e"]), ("top_logprobs", 21),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
 ])
 def test_out_of_range_param_is_named(http, field, value):
     error = _error(_post(http, _chat(**{field: value})), 400)
     assert error["param"] == field
 
 
-@pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"17": 100}),
-])
+@pytest.mark.parametrize("value", [{"17": 101}, {"x": 1}, {"-3": 1}])
+def test_a_bad_logit_bias_entry_is_named(http, value):
+    error = _error(_post(http, _chat(logit_bias=value)), 400)
+    assert error["param"].startswith("logit_bias")
+
+
+@pytest.mark.parametrize("field, value", [("best_of", 2), ("suffix", "x")])
 def test_a_sampling_field_tandem_does_not_implement_is_refused_by_name(http, field, value):
     error = _error(_post(http, _chat(**{field: value})), 400)
     assert error["param"] == field and error["code"] == "unsupported_parameter" and field in error["message"]
 
 
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty", "repetition_penalty"])
+def test_penalties_change_the_output(http, field):
+    reference = _post(http, _chat(max_tokens=24)).json()["choices"][0]["message"]
+    penalized = _post(http, _chat(max_tokens=24, **{field: 2.0})).json()["choices"][0]["message"]
+    assert penalized != reference
+
+
+def test_logit_bias_forces_a_token_and_an_id_outside_the_vocabulary_is_refused(http):
+    completion = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "temperature": 0}
+    forced = _post(http, {**completion, "logit_bias": {"40": 100}}, "/v1/completions").json()
+    assert forced["choices"][0]["text"] == "AAA"  # token 40 is "A"
+    error = _error(_post(http, {**completion, "logit_bias": {"99999": 1}}, "/v1/completions"), 400)
+    assert "logit_bias" in error["message"] and "99999" in error["message"] and "vocabulary" in error["message"]
+
+
+def test_prompt_token_ids_outside_the_vocabulary_are_refused_and_the_server_goes_on(http):
+    completion = {"model": MODEL, "prompt": [1, 2, 99999], "max_tokens": 2}
+    error = _error(_post(http, completion, "/v1/completions"), 400)
+    assert "prompt: token id 99999 is outside the vocabulary" in error["message"]
+    assert _post(http, {**completion, "prompt": [1, 2, 3]}, "/v1/completions").status_code == 200
+
+
 def test_unimplemented_fields_at_their_neutral_values_and_unknown_fields_are_accepted(http):
-    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1,
                "user": "u-1", "parallel_tool_calls": True, "x_vendor_extension": [1]}
     assert _post(http, _chat(**neutral)).status_code == 200
     completion = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "echo": False, "best_of": 1}

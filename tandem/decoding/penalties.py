@@ -1,0 +1,96 @@
+"""Logit bias and repetition, frequency and presence penalties, at every verify position.
+
+A row whose `SamplingParams` ask for them has its logits adjusted before the target
+distribution is formed (sampling.py: grammar mask, temperature, filters), in vLLM's order:
+
+    logits += logit_bias                                     (OpenAI: token id -> value)
+    seen    = the token occurs in the prompt or the output so far
+    logits  = logits / r if seen and logits > 0,  logits * r if seen and logits <= 0
+    logits -= frequency * count + presence * (count > 0)     (count: occurrences in the output)
+
+With speculation, "the output so far" at verify position j is the committed output followed by
+the drafts d_0 .. d_{j-1}: position j's distribution is only used when those drafts are
+accepted, and then they are output. So one row's counts differ from position to position, and
+speculative decoding with penalties stays exactly plain decoding with penalties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.decoding.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class LogitAdjustments:
+    """One step's penalties and biases, one row per request (rows that ask for none are neutral).
+
+    presence, frequency: [B] float32 (0 = off); repetition: [B] float32 (1 = off)
+    output_counts:       [B, V] float32, occurrences of each token in the committed output
+    prompt_seen:         [B, V] bool, tokens of the prompt
+    bias:                [B, V] float32, or None when no row has a logit bias
+    """
+
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    output_counts: torch.Tensor
+    prompt_seen: torch.Tensor
+    bias: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompts: list[list[int]],
+        outputs: list[list[int]],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> LogitAdjustments:
+        """The adjustments of a batch (per row: its params, prompt and committed output ids, each < V)."""
+        adjusted = [b for b, p in enumerate(params) if p.adjusts_logits]  # the others' counts are not read
+        batch = len(params)
+
+        def per_row(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
+
+        def occurrences(ids: list[list[int]]) -> torch.Tensor:
+            """[B, V] float32 counts of each row's ids (rows without adjustments left at 0)."""
+            rows = torch.tensor([b for b in adjusted for _ in ids[b]], dtype=torch.int64)
+            tokens = torch.tensor([t for b in adjusted for t in ids[b]], dtype=torch.int64)
+            counts = torch.zeros(batch, vocab_size)
+            counts.index_put_((rows, tokens), torch.ones(len(tokens)), accumulate=True)
+            return counts.to(device)
+
+        bias = None
+        if any(params[b].logit_bias for b in adjusted):
+            bias = torch.zeros(batch, vocab_size)
+            for b in adjusted:
+                for token, value in (params[b].logit_bias or {}).items():
+                    bias[b, token] = value
+            bias = bias.to(device)
+        return cls(presence=per_row("presence_penalty"), frequency=per_row("frequency_penalty"),
+                   repetition=per_row("repetition_penalty"), output_counts=occurrences(outputs),
+                   prompt_seen=occurrences(prompts) > 0, bias=bias)
+
+    def apply(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """Adjusted logits of every verify position (module docstring).
+
+        logits: [B, k+1, V] float; drafts: [B, k] int64, -1 (or any id outside [0, V)) = no draft
+        returns [B, k+1, V] float32; the values of a row without adjustments are unchanged.
+        """
+        batch, num_positions, vocab_size = logits.shape
+        real = (drafts >= 0) & (drafts < vocab_size)
+        drafted = torch.zeros(batch, num_positions, vocab_size, device=logits.device)
+        # Draft j is output before position j + 1: one-hot it there, then sum along the window.
+        drafted[:, 1:].scatter_(-1, drafts.clamp(0, vocab_size - 1).unsqueeze(-1), real.unsqueeze(-1).float())
+        counts = self.output_counts.unsqueeze(1) + drafted.cumsum(dim=1)  # [B, k+1, V]
+        logits = logits.float()
+        if self.bias is not None:
+            logits = logits + self.bias.unsqueeze(1)
+        seen = (counts > 0) | self.prompt_seen.unsqueeze(1)
+        repetition = self.repetition.view(batch, 1, 1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+        return logits - self.frequency.view(batch, 1, 1) * counts - self.presence.view(batch, 1, 1) * (counts > 0)
