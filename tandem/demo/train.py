@@ -62,7 +62,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 }
 TARGETS = {"llama": "demo-llama", "deepseek": "demo-deepseek"}
 DRAFTS = ("eagle3", "mtp")  # trained after the targets (tandem.demo.drafts)
-DEFAULT_STEPS = {"llama": 1600, "deepseek": 1000, "eagle3": 600, "mtp": 600}  # what the shipped models trained for
+DEFAULT_STEPS = {"llama": 2800, "deepseek": 1000, "eagle3": 600, "mtp": 600}  # what the shipped models trained for
 
 
 @dataclass
