@@ -29,7 +29,7 @@ class LogitAdjustments:
 
     presence, frequency: [B] float32 (0 = off); repetition: [B] float32 (1 = off)
     output_counts:       [B, V] float32, occurrences of each token in the committed output
-    prompt_seen:         [B, V] bool, tokens of the prompt
+    prompt_seen:         [B, V] bool, tokens of the prompt (of rows with a repetition penalty)
     bias:                [B, V] float32, or None when no row has a logit bias
     """
 
@@ -50,30 +50,29 @@ class LogitAdjustments:
         device: torch.device | str = "cpu",
     ) -> LogitAdjustments:
         """The adjustments of a batch (per row: its params, prompt and committed output ids, each < V)."""
-        adjusted = [b for b, p in enumerate(params) if p.adjusts_logits]  # the others' counts are not read
-        batch = len(params)
+        adjusted = [p if p.adjusts_logits else None for p in params]  # the others' rows stay zero: never read
+
+        def dense(entries: list[tuple[int, int, float]]) -> torch.Tensor:
+            """[B, V] float32: the sum of the values given at each (row, token)."""
+            table = torch.zeros(len(params), vocab_size)
+            if entries:
+                rows, tokens, values = (torch.tensor(column) for column in zip(*entries))
+                table.index_put_((rows, tokens), values.float(), accumulate=True)
+            return table.to(device)
 
         def per_row(name: str) -> torch.Tensor:
             return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
 
-        def occurrences(ids: list[list[int]]) -> torch.Tensor:
-            """[B, V] float32 counts of each row's ids (rows without adjustments left at 0)."""
-            rows = torch.tensor([b for b in adjusted for _ in ids[b]], dtype=torch.int64)
-            tokens = torch.tensor([t for b in adjusted for t in ids[b]], dtype=torch.int64)
-            counts = torch.zeros(batch, vocab_size)
-            counts.index_put_((rows, tokens), torch.ones(len(tokens)), accumulate=True)
-            return counts.to(device)
-
-        bias = None
-        if any(params[b].logit_bias for b in adjusted):
-            bias = torch.zeros(batch, vocab_size)
-            for b in adjusted:
-                for token, value in (params[b].logit_bias or {}).items():
-                    bias[b, token] = value
-            bias = bias.to(device)
-        return cls(presence=per_row("presence_penalty"), frequency=per_row("frequency_penalty"),
-                   repetition=per_row("repetition_penalty"), output_counts=occurrences(outputs),
-                   prompt_seen=occurrences(prompts) > 0, bias=bias)
+        biases = [(b, t, v) for b, p in enumerate(adjusted) if p and p.logit_bias for t, v in p.logit_bias.items()]
+        return cls(
+            presence=per_row("presence_penalty"), frequency=per_row("frequency_penalty"),
+            repetition=per_row("repetition_penalty"),
+            output_counts=dense([(b, t, 1.0) for b, p in enumerate(adjusted) if p for t in outputs[b]]),
+            # Only the repetition penalty reads the prompt: with r = 1 being seen changes nothing.
+            prompt_seen=dense([(b, t, 1.0) for b, p in enumerate(adjusted) if p and p.repetition_penalty != 1
+                               for t in prompts[b]]) > 0,
+            bias=dense(biases) if biases else None,
+        )
 
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """Adjusted logits of every verify position (module docstring).
