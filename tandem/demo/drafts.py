@@ -1,6 +1,6 @@
-"""Training the shipped demo drafts: EAGLE-3 for demo-llama, the MTP layer of demo-deepseek.
+"""Training the shipped demo drafts: EAGLE-3 and EAGLE-1 for demo-llama, the MTP layer of demo-deepseek.
 
-Both drafts turn the pair (target state at p-1, token x_p) into a prediction of x_{p+1} and are
+All three turn the pair (target state at p-1, token x_p) into a prediction of x_{p+1} and are
 chained k times at inference (`tandem.models.eagle.propose_chained`). They are trained with
 *training-time test* (TTT, EAGLE-3 paper, section 3.2) over `DEPTHS` chained depths: depth 0
 reads the target's features, depth d reads the draft's own output of depth d-1 at the previous
@@ -11,8 +11,8 @@ The loss is the cross-entropy against the frozen target's distribution at the sa
 completions of corpus prompts (`self_distilled_rows`): the draft learns what the target says.
 
 The heads are built from transformers' own layers and saved under the published key names, so
-what tandem ships is read by the same loaders as real checkpoints (`tandem.models.eagle3`, and
-`tandem.models.mtp` from `model.layers.{L}.*` of the target's own checkpoint, as in DeepSeek-V3).
+what tandem ships is read by the same loaders as real checkpoints (`tandem.models.eagle3`,
+`tandem.models.eagle`, and `tandem.models.mtp` from `model.layers.{L}.*` of the target's own checkpoint, as in DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm,
+                                                      LlamaRotaryEmbedding)
 
 from tandem.demo.corpus import generate_examples
 from tandem.demo.train import (IGNORE_INDEX, SETTINGS_FILE, TrainSettings, batch_rows, loss_summary, summary_window,
@@ -108,6 +109,35 @@ class Eagle3Head(nn.Module):
         return {name: t for name, t in self.state_dict().items() if not name.startswith("rotary.")}
 
 
+class EagleHead(nn.Module):
+    """EAGLE-1's draft in transformers' layers, keys as published (`fc`, `layers.0.*` without `input_layernorm`)."""
+
+    def __init__(self, target: PreTrainedModel, config: LlamaConfig):
+        super().__init__()
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config.bias)
+        layer = LlamaDecoderLayer(config, layer_idx=0)
+        layer.input_layernorm = nn.Identity()  # the fc output enters attention unnormed
+        self.layers = nn.ModuleList([layer])
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def features(self, hidden_states: tuple[Tensor, ...]) -> Tensor:
+        """HF hidden_states -> depth-0 hidden [B, T, H]: the last layer after the final norm."""
+        return hidden_states[-1]
+
+    def layer(self, embeds: Tensor, hidden: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+        """[B, N, H] embeddings and hidden inputs -> the layer's outputs g [B, N, H] (embedding first)."""
+        return self.layers[0](self.fc(torch.cat([embeds, hidden], dim=-1)), attention_mask=mask,
+                              position_embeddings=rope)
+
+    def logits(self, g: Tensor, target: PreTrainedModel) -> Tensor:
+        return target.lm_head(g)  # no norm: g feeds the target's head as it is
+
+    def state(self, target: PreTrainedModel) -> dict[str, Tensor]:
+        """The published EAGLE-1 key layout (the embedding and head are the target's)."""
+        return {name: t for name, t in self.state_dict().items() if not name.startswith("rotary.")}
+
+
 class MTPHead(nn.Module):
     """DeepSeek-V3's MTP module in transformers' layers; saved as `model.layers.{L}.*` of the target."""
 
@@ -164,7 +194,7 @@ def _per_expert(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-DraftHead = Eagle3Head | MTPHead
+DraftHead = Eagle3Head | EagleHead | MTPHead
 
 
 def ttt_forward(head: DraftHead, target: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor,
@@ -225,10 +255,26 @@ def eagle3_config(target: PreTrainedModel) -> LlamaConfig:
     return config
 
 
+def eagle_config(target: PreTrainedModel) -> LlamaConfig:
+    """EAGLE-1's config: one Llama layer of the target's shape and RoPE, no `fc` bias (the Llama-3 drafts')."""
+    t = target.config
+    config = LlamaConfig(
+        architectures=["LlamaForCausalLMEagle"], hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim, vocab_size=t.vocab_size, rms_norm_eps=t.rms_norm_eps,
+        rope_parameters=dict(t.rope_parameters), max_position_embeddings=t.max_position_embeddings, bias=False,
+        bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id,
+    )
+    config._attn_implementation = "sdpa"  # the TTT mask is a 4-D additive mask: any dense kernel takes it
+    return config
+
+
 def new_head(kind: str, target: PreTrainedModel) -> DraftHead:
-    """A fresh draft head of `kind` ("eagle3" | "mtp") for `target`."""
+    """A fresh draft head of `kind` ("eagle3" | "eagle" | "mtp") for `target`."""
     if kind == "eagle3":
         return Eagle3Head(target, eagle3_config(target))
+    if kind == "eagle":
+        return EagleHead(target, eagle_config(target))
     if kind == "mtp":
         return MTPHead(target)
     raise ValueError(f"unknown draft {kind!r}; expected one of {sorted(DRAFT_TARGETS)}")
@@ -237,13 +283,13 @@ def new_head(kind: str, target: PreTrainedModel) -> DraftHead:
 def save_head(kind: str, head: DraftHead, target: PreTrainedModel, target_dir: Path, dtype: torch.dtype) -> Path:
     """Write the head in its published layout; returns the directory a loader reads it from.
 
-    eagle3: a draft directory `<target_dir>-eagle3` beside the target. mtp: `model.layers.{L}.*`
+    eagle3, eagle: a draft directory `<target_dir>-<kind>` beside the target. mtp: `model.layers.{L}.*`
     added to the target's own `model.safetensors`, with `num_nextn_predict_layers: 1`.
     """
-    if kind == "eagle3":
-        out_dir = target_dir.parent / f"{target_dir.name}-eagle3"
+    if kind in SIBLING_DRAFTS:
+        out_dir = target_dir.parent / f"{target_dir.name}-{kind}"
         out_dir.mkdir(parents=True, exist_ok=True)
-        config = eagle3_config(target).to_dict()
+        config = (eagle3_config if kind == "eagle3" else eagle_config)(target).to_dict()
         config["dtype"] = str(dtype).removeprefix("torch.")
         tensors = head.state(target)
     else:
@@ -257,7 +303,8 @@ def save_head(kind: str, head: DraftHead, target: PreTrainedModel, target_dir: P
     return out_dir
 
 
-DRAFT_TARGETS = {"eagle3": "demo-llama", "mtp": "demo-deepseek"}  # draft kind -> the demo target it serves
+DRAFT_TARGETS = {"eagle3": "demo-llama", "eagle": "demo-llama", "mtp": "demo-deepseek"}  # kind -> the target it serves
+SIBLING_DRAFTS = ("eagle3", "eagle")  # kinds saved as their own directory beside the target (mtp: inside it)
 DISTILL_MAX_TOKENS = 160  # longest target completion generated for draft training
 DISTILL_EPOCHS = 2  # passes over the generated chats (half the chats, half the generation time)
 
@@ -282,7 +329,7 @@ def self_distilled_rows(target_dir: Path, tokenizer: PreTrainedTokenizerBase, nu
 def train_draft(kind: str, tokenizer: PreTrainedTokenizerBase, assets: Path, settings: TrainSettings) -> dict[str, Any]:
     """Train the `kind` draft of its demo target in `assets`, save it (`save_head`) and record how.
 
-    Returns the record written beside it (`tandem_demo.json` of the EAGLE-3 directory;
+    Returns the record written beside it (`tandem_demo.json` of the EAGLE-3 / EAGLE directory;
     `tandem_mtp.json` in the DeepSeek target's directory).
     """
     started = time.perf_counter()
@@ -319,6 +366,6 @@ def train_draft(kind: str, tokenizer: PreTrainedTokenizerBase, assets: Path, set
         "train_top1_agreement_by_depth": [round(sum(a[d] for a in tail) / len(tail), 4) for d in range(DEPTHS)],
         "wall_time_s": round(time.perf_counter() - started, 1),
     }
-    record_file = out_dir / (SETTINGS_FILE if kind == "eagle3" else f"tandem_{kind}.json")
+    record_file = out_dir / (SETTINGS_FILE if kind in SIBLING_DRAFTS else f"tandem_{kind}.json")
     record_file.write_text(json.dumps(record, indent=2) + "\n")
     return record

@@ -6,8 +6,8 @@ MLA + MoE). A target trains on an endless stream of corpus chats with the loss o
 turn only (reasoning, `</think>`, answer, `<|eot_id|>`), then is saved with `save_pretrained`
 (safetensors, bf16 when its greedy predictions agree with fp32, else fp32) beside the tokenizer
 files and `tandem_demo.json` (corpus seed and settings, losses, held-out check, wall time).
-Then the drafts (`tandem.demo.drafts`, batched by the same `batch_rows`): the EAGLE-3 draft
-of demo-llama (`demo-llama-eagle3/`) and the MTP layer of demo-deepseek (inside its checkpoint).
+Then the drafts (`tandem.demo.drafts`, batched by the same `batch_rows`): the EAGLE-3 and EAGLE-1
+drafts of demo-llama (`demo-llama-eagle3/`, `demo-llama-eagle/`) and the MTP layer of demo-deepseek (inside its checkpoint).
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 TARGETS = {"llama": "demo-llama", "deepseek": "demo-deepseek"}
-DRAFTS = ("eagle3", "mtp")  # trained after the targets (tandem.demo.drafts)
-DEFAULT_STEPS = {"llama": 2800, "deepseek": 1000, "eagle3": 600, "mtp": 600}  # what the shipped models trained for
+DRAFTS = ("eagle3", "eagle", "mtp")  # trained after the targets (tandem.demo.drafts)
+# what the shipped models trained for
+DEFAULT_STEPS = {"llama": 2800, "deepseek": 1000, "eagle3": 600, "eagle": 600, "mtp": 600}
 
 
 @dataclass

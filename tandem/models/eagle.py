@@ -96,9 +96,13 @@ class Eagle(nn.Module):
         layout = RaggedLayout.build(batch, first_position=cache.first_position)
         return self.layers[0](x, batch.positions, self.rotary(batch.positions), layout, cache.layers[0])
 
+    def logits(self, hidden: Tensor) -> Tensor:
+        """``hidden [N, H]`` draft output -> ``[N, V] float32``: the target's head, no norm."""
+        return self.target_lm_head(hidden)
+
     def next_tokens(self, hidden: Tensor, allowed: Tensor | None = None) -> Tensor:
         """``hidden [B, H]`` -> argmax of the target's head ``[B]`` int64 (among ``allowed [B, V]``)."""
-        return constrained_argmax(self.target_lm_head(hidden), allowed)
+        return constrained_argmax(self.logits(hidden), allowed)
 
     def propose(self, inp: DraftInput, cache: KVCache, num_tokens: int) -> DraftProposal:
         """Greedy EAGLE proposals ``tokens [B, num_tokens]``; ``probs`` None (deterministic)."""

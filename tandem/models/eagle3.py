@@ -106,11 +106,15 @@ class Eagle3(nn.Module):
         rope = self.rotary(batch.positions)
         return self.midlayer(self.target_embed(batch.input_ids), hidden, batch.positions, rope, layout, cache.layers[0])
 
+    def logits(self, hidden: Tensor) -> Tensor:
+        """``hidden [N, H]`` pre-norm output -> draft-vocabulary logits ``[N, draft_V]``."""
+        return self.lm_head(self.norm(hidden))
+
     def next_tokens(self, hidden: Tensor, allowed: Tensor | None = None) -> Tensor:
         """``hidden [B, H]`` -> target ids ``[B]`` int64 of the draft-vocabulary argmax (among the
         draft ids whose target ids ``allowed [B, V_target]`` allows)."""
         allowed = None if allowed is None else allowed[:, self.target_ids]
-        return self.target_ids[constrained_argmax(self.lm_head(self.norm(hidden)), allowed)]
+        return self.target_ids[constrained_argmax(self.logits(hidden), allowed)]
 
     def propose(self, inp: DraftInput, cache: KVCache, num_tokens: int) -> DraftProposal:
         """Greedy EAGLE-3 proposals ``tokens [B, num_tokens]``; ``probs`` None (deterministic)."""

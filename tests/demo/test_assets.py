@@ -11,7 +11,8 @@ from tandem.demo.train import SETTINGS_FILE
 
 TARGETS = {"llama": (DEMO_LLAMA_DIR, LlamaForCausalLM), "deepseek": (DEMO_DEEPSEEK_DIR, DeepseekV3ForCausalLM)}
 MAX_ASSETS_BYTES = 40 * 2**20
-DRAFT_RECORDS = {"eagle3": ASSETS_DIR / "demo-llama-eagle3" / SETTINGS_FILE, "mtp": DEMO_DEEPSEEK_DIR / "tandem_mtp.json"}
+DRAFT_RECORDS = {"eagle3": ASSETS_DIR / "demo-llama-eagle3" / SETTINGS_FILE, "eagle": ASSETS_DIR / "demo-llama-eagle" / SETTINGS_FILE,
+                 "mtp": DEMO_DEEPSEEK_DIR / "tandem_mtp.json"}
 
 
 @pytest.fixture(scope="module", params=sorted(TARGETS))

@@ -14,7 +14,9 @@ from tandem.demo.train import SETTINGS_FILE, encode_chat, target_config
 from tandem.models.base import ForwardBatch
 from tandem.models.loading import load_draft, load_target
 
-TARGET_KIND = {"eagle3": ("llama", LlamaForCausalLM), "mtp": ("deepseek", DeepseekV3ForCausalLM)}
+TARGET_KIND = {"eagle3": ("llama", LlamaForCausalLM), "eagle": ("llama", LlamaForCausalLM),
+               "mtp": ("deepseek", DeepseekV3ForCausalLM)}
+HIDDEN_KIND = {"eagle3": "aux", "eagle": "last", "mtp": "last"}  # what each loaded draft reads from the target
 
 
 def test_ttt_visibility_is_committed_prefix_plus_one_key_per_earlier_chained_depth():
@@ -56,8 +58,7 @@ def test_ttt_depth_d_equals_the_loaded_draft_chained_d_steps(saved_pair):
     first = draft.fc(out.aux_hidden) if kind == "eagle3" else out.hidden  # depth-0 hidden at each position
 
     def log_probs(g):
-        logits = draft.lm_head(draft.norm(g)) if kind == "eagle3" else draft.logits(g)
-        return logits.float().log_softmax(-1)[0]
+        return draft.logits(g).float().log_softmax(-1)[0]
 
     for depth in range(DEPTHS):
         for pair in (depth, depth + 9, len(ids) - 2):  # pair i: hidden at position i, token at i + 1
@@ -78,9 +79,10 @@ def test_tiny_train_demo_draft_stage_writes_a_draft_tandem_loads(tmp_path, draft
     assert cli.main(["train-demo", *common, "--only", target_kind]) == 0
     assert cli.main(["train-demo", *common, "--only", draft]) == 0
     target_dir = tmp_path / DRAFT_TARGETS[draft]
-    record = json.loads((target_dir.parent / f"{target_dir.name}-eagle3" / SETTINGS_FILE if draft == "eagle3"
-                         else target_dir / "tandem_mtp.json").read_text())
+    draft_dir = target_dir if draft == "mtp" else target_dir.parent / f"{target_dir.name}-{draft}"
+    record = json.loads((draft_dir / (f"tandem_{draft}.json" if draft == "mtp" else SETTINGS_FILE)).read_text())
+    assert record["draft"] == draft
     assert record["data"]["self_distilled_chats"] == 2 and record["data"]["generated_tokens"] > 0
     target = load_target(target_dir)
-    loaded = load_draft(target_dir.parent / f"{target_dir.name}-eagle3" if draft == "eagle3" else "mtp", target)
-    assert loaded.hidden_kind == ("aux" if draft == "eagle3" else "last")
+    loaded = load_draft("mtp" if draft == "mtp" else draft_dir, target)
+    assert loaded.hidden_kind == HIDDEN_KIND[draft]

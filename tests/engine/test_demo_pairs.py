@@ -22,9 +22,9 @@ EXAMPLES = generate_examples(8, seed=11, split="heldout")
 MAX_TOKENS = 64
 # (target, draft): every shipped draft, the model-free baseline, and an EAGLE-3 draft (random weights)
 # next to the MLA + MoE target, as the Kimi-K2.5 drafts are.
-PAIRS = [("demo-llama", "eagle3"), ("demo-llama", "ngram"), ("demo-deepseek", "mtp"), ("demo-deepseek", "ngram"),
-         ("demo-deepseek", "random-eagle3")]
-TRAINED = {("demo-llama", "eagle3"), ("demo-deepseek", "mtp")}
+PAIRS = [("demo-llama", "eagle3"), ("demo-llama", "eagle"), ("demo-llama", "ngram"), ("demo-deepseek", "mtp"),
+         ("demo-deepseek", "ngram"), ("demo-deepseek", "random-eagle3")]
+TRAINED = {("demo-llama", "eagle3"), ("demo-llama", "eagle"), ("demo-deepseek", "mtp")}
 
 
 @pytest.fixture(scope="module")

@@ -102,7 +102,7 @@ def test_cli_bench_compares_the_paths_in_one_json_line(capsys):
     assert cli.main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     runs = report["models"]["demo-llama"]["runs"]
-    assert {r["draft"] for r in runs} == {"none", "eagle3", "ngram"}
+    assert {r["draft"] for r in runs} == {"none", "eagle3", "eagle", "ngram"}
     assert all(r["exact"] for r in runs if r["draft"] != "none" and not r["relaxed"])
     ratios = report["models"]["demo-llama"]["ratios"]
     assert {"tandem_plain_vs_transformers_plain", "eagle3_k2_vs_plain", "eagle3_k2_schema_vs_unconstrained"} <= set(ratios)
