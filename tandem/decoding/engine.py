@@ -42,7 +42,7 @@ from tandem.grammars.overlap import MaskHandle, MaskPipeline
 from tandem.grammars.spec import GrammarSpec
 from tandem.grammars.tokenizer import GrammarTokenizer
 from tandem.grammars.thinking import ThinkingMarkers, ThinkingTracker
-from tandem.models.base import DraftInput, ForwardBatch
+from tandem.models.base import DraftInput, ForwardBatch, int64_tensor
 
 
 class PromptTooLongError(ValueError):
@@ -178,8 +178,8 @@ class Engine:
             return []
         k = self.k
         batch, verify_counts, logit_index = self._merge(rows)
-        drafts = torch.tensor([r.drafts + [PLACEHOLDER_TOKEN_ID] * (k - len(r.drafts)) for r in rows],
-                              dtype=torch.int64).view(len(rows), k)
+        padded = [t for r in rows for t in [*r.drafts, *[PLACEHOLDER_TOKEN_ID] * (k - len(r.drafts))]]
+        drafts = int64_tensor(padded).view(len(rows), k)  # [B, k]
         masks = self._submit_masks(rows, drafts)
         want_hidden = self.draft is not None and self.draft.hidden_kind is not None
         out = self.target.forward(batch, self.target_cache,
@@ -245,12 +245,12 @@ class Engine:
             first_logit = base + len(feed) - 1 - len(r.drafts)  # the position of t_last
             logit_index.extend(first_logit + min(j, len(r.drafts)) for j in range(self.k + 1))
         device = self.device
-        logit_index_t = torch.tensor(logit_index, dtype=torch.int64, device=device)
+        logit_index_t = int64_tensor(logit_index, device)
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            row_offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
-            slots=torch.tensor([r.slot for r in rows], dtype=torch.int64, device=device),
+            input_ids=int64_tensor(ids, device),
+            positions=int64_tensor(positions, device),
+            row_offsets=int64_tensor(offsets, device),
+            slots=int64_tensor([r.slot for r in rows], device),
             logits_indices=logit_index_t,
         )
         return batch, verify_counts, logit_index_t
@@ -356,16 +356,16 @@ class Engine:
             positions.extend(range(first_position + 1, first_position + 1 + len(new_tokens)))
             row_offsets.append(row_offsets[-1] + len(new_tokens))
             hidden_rows.extend(range(offsets[b], offsets[b] + len(new_tokens)))
-            histories.append(torch.tensor(r.tokens, dtype=torch.int64))
+            histories.append(int64_tensor(r.tokens))
         device = self.device
-        slots = torch.tensor([r.slot for r in live], dtype=torch.int64, device=device)
+        slots = int64_tensor([r.slot for r in live], device)
         draft_batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            row_offsets=torch.tensor(row_offsets, dtype=torch.int64, device=device),
+            input_ids=int64_tensor(ids, device),
+            positions=int64_tensor(positions, device),
+            row_offsets=int64_tensor(row_offsets, device),
             slots=slots,
         )
-        hidden = None if hidden_all is None else hidden_all[torch.tensor(hidden_rows, device=device)]
+        hidden = None if hidden_all is None else hidden_all[int64_tensor(hidden_rows, device)]
         if self.draft_cache is not None:
             self.draft_cache.truncate(slots, draft_batch.positions[draft_batch.row_offsets[:-1]])
         walk = None

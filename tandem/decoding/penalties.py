@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.decoding.params import SamplingParams
+from tandem.models.base import int64_tensor
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class LogitAdjustments:
 
     presence, frequency: [B] float32 (0 = off); repetition: [B] float32 (1 = off)
     output_counts:       [B, V] float32, occurrences of each token in the committed output
-    prompt_seen:         [B, V] bool, tokens of the prompt (of rows with a repetition penalty)
+    prompt_seen:         [B, V] bool, tokens of the prompt (of rows with a repetition penalty), or None
+                         when no row has one (the rule is then skipped: r = 1 changes nothing)
     bias:                [B, V] float32, or None when no row has a logit bias
     """
 
@@ -37,7 +39,7 @@ class LogitAdjustments:
     frequency: torch.Tensor
     repetition: torch.Tensor
     output_counts: torch.Tensor
-    prompt_seen: torch.Tensor
+    prompt_seen: torch.Tensor | None
     bias: torch.Tensor | None
 
     @classmethod
@@ -50,27 +52,28 @@ class LogitAdjustments:
         device: torch.device | str = "cpu",
     ) -> LogitAdjustments:
         """The adjustments of a batch (per row: its params, prompt and committed output ids, each < V)."""
-        adjusted = [p if p.adjusts_logits else None for p in params]  # the others' rows stay zero: never read
+        adjusted = [b for b, p in enumerate(params) if p.adjusts_logits]  # the other rows stay zero: never read
 
-        def dense(entries: list[tuple[int, int, float]]) -> torch.Tensor:
-            """[B, V] float32: the sum of the values given at each (row, token)."""
+        def dense(entries: dict[int, tuple[list[int], list[float] | None]]) -> torch.Tensor:
+            """[B, V] float32: for row b -> (token ids, values or None = ones), each token's sum of values."""
             table = torch.zeros(len(params), vocab_size)
-            if entries:
-                rows, tokens, values = (torch.tensor(column) for column in zip(*entries))
-                table.index_put_((rows, tokens), values.float(), accumulate=True)
+            for b, (tokens, values) in entries.items():
+                weights = torch.ones(len(tokens)) if values is None else torch.tensor(values, dtype=torch.float32)
+                table[b].index_put_((int64_tensor(tokens),), weights, accumulate=True)
             return table.to(device)
 
         def per_row(name: str) -> torch.Tensor:
             return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
 
-        biases = [(b, t, v) for b, p in enumerate(adjusted) if p and p.logit_bias for t, v in p.logit_bias.items()]
+        biases = {b: (list(params[b].logit_bias), list(params[b].logit_bias.values()))
+                  for b in adjusted if params[b].logit_bias}
+        # Only the repetition penalty reads the prompt: with r = 1 being seen changes nothing.
+        repeating = {b: (prompts[b], None) for b in adjusted if params[b].repetition_penalty != 1}
         return cls(
             presence=per_row("presence_penalty"), frequency=per_row("frequency_penalty"),
             repetition=per_row("repetition_penalty"),
-            output_counts=dense([(b, t, 1.0) for b, p in enumerate(adjusted) if p for t in outputs[b]]),
-            # Only the repetition penalty reads the prompt: with r = 1 being seen changes nothing.
-            prompt_seen=dense([(b, t, 1.0) for b, p in enumerate(adjusted) if p and p.repetition_penalty != 1
-                               for t in prompts[b]]) > 0,
+            output_counts=dense({b: (outputs[b], None) for b in adjusted}),
+            prompt_seen=dense(repeating) > 0 if repeating else None,
             bias=dense(biases) if biases else None,
         )
 
@@ -89,7 +92,9 @@ class LogitAdjustments:
         logits = logits.float()
         if self.bias is not None:
             logits = logits + self.bias.unsqueeze(1)
-        seen = (counts > 0) | self.prompt_seen.unsqueeze(1)
-        repetition = self.repetition.view(batch, 1, 1)
-        logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
-        return logits - self.frequency.view(batch, 1, 1) * counts - self.presence.view(batch, 1, 1) * (counts > 0)
+        if self.prompt_seen is not None:
+            seen = (counts > 0) | self.prompt_seen.unsqueeze(1)
+            repetition = self.repetition.view(batch, 1, 1)
+            logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+        present = counts.clamp(max=1)  # counts are whole numbers: (counts > 0) in one op, already float
+        return logits - self.frequency.view(batch, 1, 1) * counts - self.presence.view(batch, 1, 1) * present

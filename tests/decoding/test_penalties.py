@@ -35,7 +35,7 @@ row_params = st.builds(
     presence_penalty=st.sampled_from([0.0, 0.5, -1.0, 2.0]),
     frequency_penalty=st.sampled_from([0.0, 0.3, -0.7, 2.0]),
     repetition_penalty=st.sampled_from([1.0, 1.3, 0.8]),
-    logit_bias=st.none() | st.dictionaries(st.integers(0, VOCAB - 1), st.sampled_from([-100.0, -2.5, 3.0]), max_size=3),
+    logit_bias=st.none() | st.dictionaries(st.integers(0, VOCAB - 1), st.sampled_from([-100.0, -2.5, 3.0, 4]), max_size=3),
 )
 token_lists = st.lists(st.integers(0, VOCAB - 1), max_size=8)
 
