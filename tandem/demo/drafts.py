@@ -12,7 +12,8 @@ completions of corpus prompts (`self_distilled_rows`): the draft learns what the
 
 The heads are built from transformers' own layers and saved under the published key names, so
 what tandem ships is read by the same loaders as real checkpoints (`tandem.models.eagle3`,
-`tandem.models.eagle`, and `tandem.models.mtp` from `model.layers.{L}.*` of the target's own checkpoint, as in DeepSeek-V3).
+`tandem.models.eagle`, and `tandem.models.mtp` from `model.layers.{L}.*` of the target's own
+checkpoint, as in DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -66,11 +67,25 @@ def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)[None, None]
 
 
-class Eagle3Head(nn.Module):
-    """EAGLE-3's draft in transformers' layers, keys as published (`fc`, `midlayer.*`, `norm`, `lm_head`)."""
+class SiblingHead(nn.Module):
+    """A draft saved as its own directory beside the target (EAGLE-1, EAGLE-3): `config` is what
+    it was built from and is saved with it; its weights are every parameter (the embedding and
+    any shared head are the target's, the rotary tables are not weights)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+
+    def state(self, target: PreTrainedModel) -> dict[str, Tensor]:
+        return {name: t for name, t in self.state_dict().items() if not name.startswith("rotary.")}
+
+
+class Eagle3Head(SiblingHead):
+    """EAGLE-3's draft in transformers' layers, keys as published (`fc`, `midlayer.*`, `norm`, `lm_head`;
+    full vocabulary: no d2t)."""
 
     def __init__(self, target: PreTrainedModel, config: LlamaConfig):
-        super().__init__()
+        super().__init__(config)
         hidden = config.hidden_size
         self.aux_layer_ids = default_aux_layer_ids(target.config.num_hidden_layers)
         self.fc = nn.Linear(len(self.aux_layer_ids) * target.config.hidden_size, hidden, bias=False)
@@ -104,16 +119,12 @@ class Eagle3Head(nn.Module):
     def logits(self, g: Tensor, target: PreTrainedModel) -> Tensor:
         return self.lm_head(self.norm(g))
 
-    def state(self, target: PreTrainedModel) -> dict[str, Tensor]:
-        """The published EAGLE-3 key layout (full vocabulary: no d2t; the embedding is the target's)."""
-        return {name: t for name, t in self.state_dict().items() if not name.startswith("rotary.")}
 
-
-class EagleHead(nn.Module):
+class EagleHead(SiblingHead):
     """EAGLE-1's draft in transformers' layers, keys as published (`fc`, `layers.0.*` without `input_layernorm`)."""
 
     def __init__(self, target: PreTrainedModel, config: LlamaConfig):
-        super().__init__()
+        super().__init__(config)
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=config.bias)
         layer = LlamaDecoderLayer(config, layer_idx=0)
@@ -132,10 +143,6 @@ class EagleHead(nn.Module):
 
     def logits(self, g: Tensor, target: PreTrainedModel) -> Tensor:
         return target.lm_head(g)  # no norm: g feeds the target's head as it is
-
-    def state(self, target: PreTrainedModel) -> dict[str, Tensor]:
-        """The published EAGLE-1 key layout (the embedding and head are the target's)."""
-        return {name: t for name, t in self.state_dict().items() if not name.startswith("rotary.")}
 
 
 class MTPHead(nn.Module):
@@ -238,35 +245,35 @@ def ttt_loss(head: DraftHead, target: PreTrainedModel, batch: dict[str, Tensor])
     return loss, agreement
 
 
-def eagle3_config(target: PreTrainedModel) -> LlamaConfig:
-    """The draft's config: one Llama layer of the target's width, its own RoPE, EAGLE-3 fields."""
+def one_layer_config(target: PreTrainedModel, architecture: str, **fields: Any) -> LlamaConfig:
+    """A draft's config: one Llama layer of the target's shape, plus the draft kind's own `fields`."""
     t = target.config
-    aux = default_aux_layer_ids(t.num_hidden_layers)
     config = LlamaConfig(
-        architectures=["LlamaForCausalLMEagle3"], hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        architectures=[architecture], hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
         num_hidden_layers=1, num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-        head_dim=t.hidden_size // t.num_attention_heads, vocab_size=t.vocab_size, draft_vocab_size=t.vocab_size,
-        rms_norm_eps=t.rms_norm_eps, rope_parameters=dict(EAGLE3_ROPE), max_position_embeddings=t.max_position_embeddings,
-        target_hidden_size=t.hidden_size, bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id,
+        head_dim=t.head_dim, vocab_size=t.vocab_size, rms_norm_eps=t.rms_norm_eps,
+        max_position_embeddings=t.max_position_embeddings, bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id,
+        **fields,
+    )
+    config._attn_implementation = "sdpa"  # the TTT mask is a 4-D additive mask: any dense kernel takes it
+    return config
+
+
+def eagle3_config(target: PreTrainedModel) -> LlamaConfig:
+    """EAGLE-3's config: its own RoPE, the full vocabulary as draft vocabulary, the capture points."""
+    aux = default_aux_layer_ids(target.config.num_hidden_layers)
+    return one_layer_config(
+        target, "LlamaForCausalLMEagle3", rope_parameters=dict(EAGLE3_ROPE), draft_vocab_size=target.config.vocab_size,
+        target_hidden_size=target.config.hidden_size,
         # SGLang/SpecForge convention: id i = the output of target layer i = HF hidden_states index i + 1.
         eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]},
     )
-    config._attn_implementation = "sdpa"  # the TTT mask is a 4-D additive mask: any dense kernel takes it
-    return config
 
 
 def eagle_config(target: PreTrainedModel) -> LlamaConfig:
-    """EAGLE-1's config: one Llama layer of the target's shape and RoPE, no `fc` bias (the Llama-3 drafts')."""
-    t = target.config
-    config = LlamaConfig(
-        architectures=["LlamaForCausalLMEagle"], hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-        head_dim=t.head_dim, vocab_size=t.vocab_size, rms_norm_eps=t.rms_norm_eps,
-        rope_parameters=dict(t.rope_parameters), max_position_embeddings=t.max_position_embeddings, bias=False,
-        bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id,
-    )
-    config._attn_implementation = "sdpa"  # the TTT mask is a 4-D additive mask: any dense kernel takes it
-    return config
+    """EAGLE-1's config: the target's RoPE, no `fc` bias (the Llama-3 drafts')."""
+    return one_layer_config(target, "LlamaForCausalLMEagle", rope_parameters=dict(target.config.rope_parameters),
+                            bias=False)
 
 
 def new_head(kind: str, target: PreTrainedModel) -> DraftHead:
@@ -286,10 +293,10 @@ def save_head(kind: str, head: DraftHead, target: PreTrainedModel, target_dir: P
     eagle3, eagle: a draft directory `<target_dir>-<kind>` beside the target. mtp: `model.layers.{L}.*`
     added to the target's own `model.safetensors`, with `num_nextn_predict_layers: 1`.
     """
-    if kind in SIBLING_DRAFTS:
+    if isinstance(head, SiblingHead):
         out_dir = target_dir.parent / f"{target_dir.name}-{kind}"
         out_dir.mkdir(parents=True, exist_ok=True)
-        config = (eagle3_config if kind == "eagle3" else eagle_config)(target).to_dict()
+        config = head.config.to_dict()
         config["dtype"] = str(dtype).removeprefix("torch.")
         tensors = head.state(target)
     else:
@@ -304,7 +311,6 @@ def save_head(kind: str, head: DraftHead, target: PreTrainedModel, target_dir: P
 
 
 DRAFT_TARGETS = {"eagle3": "demo-llama", "eagle": "demo-llama", "mtp": "demo-deepseek"}  # kind -> the target it serves
-SIBLING_DRAFTS = ("eagle3", "eagle")  # kinds saved as their own directory beside the target (mtp: inside it)
 DISTILL_MAX_TOKENS = 160  # longest target completion generated for draft training
 DISTILL_EPOCHS = 2  # passes over the generated chats (half the chats, half the generation time)
 
@@ -366,6 +372,6 @@ def train_draft(kind: str, tokenizer: PreTrainedTokenizerBase, assets: Path, set
         "train_top1_agreement_by_depth": [round(sum(a[d] for a in tail) / len(tail), 4) for d in range(DEPTHS)],
         "wall_time_s": round(time.perf_counter() - started, 1),
     }
-    record_file = out_dir / (SETTINGS_FILE if kind in SIBLING_DRAFTS else f"tandem_{kind}.json")
+    record_file = out_dir / (SETTINGS_FILE if isinstance(head, SiblingHead) else f"tandem_{kind}.json")
     record_file.write_text(json.dumps(record, indent=2) + "\n")
     return record

@@ -7,7 +7,8 @@ turn only (reasoning, `</think>`, answer, `<|eot_id|>`), then is saved with `sav
 (safetensors, bf16 when its greedy predictions agree with fp32, else fp32) beside the tokenizer
 files and `tandem_demo.json` (corpus seed and settings, losses, held-out check, wall time).
 Then the drafts (`tandem.demo.drafts`, batched by the same `batch_rows`): the EAGLE-3 and EAGLE-1
-drafts of demo-llama (`demo-llama-eagle3/`, `demo-llama-eagle/`) and the MTP layer of demo-deepseek (inside its checkpoint).
+drafts of demo-llama (`demo-llama-eagle3/`, `demo-llama-eagle/`) and the MTP layer of
+demo-deepseek (inside its checkpoint).
 """
 
 from __future__ import annotations
