@@ -66,7 +66,7 @@ def bench_target(path: Path, batch: int, k: int, context: int, repeats: int) -> 
     slots = list(range(batch))
     prompts = torch.randint(target.vocab_size, (batch, context), generator=torch.Generator().manual_seed(0))
     target.forward(ForwardBatch.from_rows(prompts.tolist(), [0] * batch, slots), cache)
-    committed = torch.full((batch,), context)
+    committed = [context] * batch
 
     def step(num_tokens: int):
         rows = torch.randint(target.vocab_size, (batch, num_tokens)).tolist()
@@ -74,7 +74,7 @@ def bench_target(path: Path, batch: int, k: int, context: int, repeats: int) -> 
         batch_ = ForwardBatch.from_rows(rows, [context] * batch, slots, logits_indices=None if num_tokens > 1 else last)
 
         def run():
-            cache.truncate(torch.tensor(slots), committed)
+            cache.truncate(slots, committed)
             target.forward(batch_, cache)
 
         return run

@@ -42,7 +42,7 @@ from tandem.grammars.overlap import MaskHandle, MaskPipeline
 from tandem.grammars.spec import GrammarSpec
 from tandem.grammars.tokenizer import GrammarTokenizer
 from tandem.grammars.thinking import ThinkingMarkers, ThinkingTracker
-from tandem.models.base import DraftInput, ForwardBatch, int64_tensor
+from tandem.models.base import DraftInput, ForwardBatch, RowSpans, int64_tensor
 
 
 class PromptTooLongError(ValueError):
@@ -177,7 +177,7 @@ class Engine:
                 time.sleep(0.001)
             return []
         k = self.k
-        batch, verify_counts, logit_index = self._merge(rows)
+        batch = self._merge(rows)
         padded = [t for r in rows for t in [*r.drafts, *[PLACEHOLDER_TOKEN_ID] * (k - len(r.drafts))]]
         drafts = int64_tensor(padded).view(len(rows), k)  # [B, k]
         masks = self._submit_masks(rows, drafts)
@@ -204,7 +204,7 @@ class Engine:
             )
         deltas = self._commit(rows, result, logits)
         if self.draft is not None:
-            self._propose([r for r in rows if r.output.finish_reason is None], rows, out, batch, verify_counts)
+            self._propose([r for r in rows if r.output.finish_reason is None], rows, out, batch)
         return deltas
 
     def _admit(self) -> None:
@@ -226,34 +226,25 @@ class Engine:
                 continue
             self.masker.add_row(request.request_id, matcher, self._tracker(request.prompt))
             request.slot = self._free_slots.pop(0)
-            self.target_cache.reset(torch.tensor([request.slot]))
+            self.target_cache.reset([request.slot])
             self._running.append(request)
 
-    def _merge(self, rows: list[_Request]) -> tuple[ForwardBatch, list[int], torch.Tensor]:
-        """The ragged verify batch: ids, positions, offsets, slots and the logit rows to keep."""
-        ids, positions, offsets, logit_index, verify_counts = [], [], [0], [], []
+    def _merge(self, rows: list[_Request]) -> ForwardBatch:
+        """The ragged verify batch; its logits indices keep ``k + 1`` rows per request (``[B * (k+1)]``)."""
+        ids, starts, lengths, logit_index = [], [], [], []
         for r in rows:
             if r.is_new:
                 feed, start = r.tokens, 0
             else:
                 feed, start = [r.tokens[-1], *r.drafts], len(r.tokens) - 1
-            base = offsets[-1]
-            ids.extend(feed)
-            positions.extend(range(start, start + len(feed)))
-            offsets.append(base + len(feed))
-            verify_counts.append(len(feed))
-            first_logit = base + len(feed) - 1 - len(r.drafts)  # the position of t_last
+            first_logit = len(ids) + len(feed) - 1 - len(r.drafts)  # the position of t_last
             logit_index.extend(first_logit + min(j, len(r.drafts)) for j in range(self.k + 1))
+            ids.extend(feed)
+            starts.append(start)
+            lengths.append(len(feed))
         device = self.device
-        logit_index_t = int64_tensor(logit_index, device)
-        batch = ForwardBatch(
-            input_ids=int64_tensor(ids, device),
-            positions=int64_tensor(positions, device),
-            row_offsets=int64_tensor(offsets, device),
-            slots=int64_tensor([r.slot for r in rows], device),
-            logits_indices=logit_index_t,
-        )
-        return batch, verify_counts, logit_index_t
+        spans = RowSpans(starts, lengths, [r.slot for r in rows])
+        return ForwardBatch.build(int64_tensor(ids, device), spans, logits_indices=int64_tensor(logit_index, device))
 
     def _submit_masks(self, rows: list[_Request], drafts: torch.Tensor) -> tuple[MaskHandle, bool] | None:
         """Start building this step's masks (drafts [B, k] CPU) on the pipeline's worker; None when no
@@ -324,7 +315,7 @@ class Engine:
             stats.drafted += len(r.drafts)
             stats.accepted += min(accepted_counts[b], len(emitted))
             r.drafts, r.draft_probs, r.walked_masks = [], None, None
-            self.target_cache.truncate(torch.tensor([r.slot]), torch.tensor([len(r.tokens) - 1]))
+            self.target_cache.truncate([r.slot], [len(r.tokens) - 1])
             reason = None
             if r.text.stopped_by is not None or self.masker.is_terminated(r.request_id):
                 reason = "stop"
@@ -340,34 +331,31 @@ class Engine:
                 self._running.remove(r)
         return deltas
 
-    def _propose(self, live, rows, out, batch, verify_counts) -> None:
+    def _propose(self, live: list[_Request], rows: list[_Request], out, batch: ForwardBatch) -> None:
         """Give each live row's newly committed tokens and their hidden states to the draft."""
         if not live:
             return
         index = {id(r): b for b, r in enumerate(rows)}
         hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
-        offsets = batch.row_offsets.tolist()
-        ids, positions, row_offsets, hidden_rows, histories = [], [], [0], [], []
+        offsets = [0]
+        for n in batch.spans.lengths:
+            offsets.append(offsets[-1] + n)
+        ids, starts, lengths, hidden_rows, histories = [], [], [], [], []
         for r in live:
             b = index[id(r)]
-            first_position = int(batch.positions[offsets[b]])
-            new_tokens = r.tokens[first_position + 1:]  # paired with the hidden state before each
+            start = batch.spans.starts[b] + 1
+            new_tokens = r.tokens[start:]  # paired with the hidden state before each
             ids.extend(new_tokens)
-            positions.extend(range(first_position + 1, first_position + 1 + len(new_tokens)))
-            row_offsets.append(row_offsets[-1] + len(new_tokens))
+            starts.append(start)
+            lengths.append(len(new_tokens))
             hidden_rows.extend(range(offsets[b], offsets[b] + len(new_tokens)))
             histories.append(int64_tensor(r.tokens))
         device = self.device
-        slots = int64_tensor([r.slot for r in live], device)
-        draft_batch = ForwardBatch(
-            input_ids=int64_tensor(ids, device),
-            positions=int64_tensor(positions, device),
-            row_offsets=int64_tensor(row_offsets, device),
-            slots=slots,
-        )
+        spans = RowSpans(starts, lengths, [r.slot for r in live])
+        draft_batch = ForwardBatch.build(int64_tensor(ids, device), spans)
         hidden = None if hidden_all is None else hidden_all[int64_tensor(hidden_rows, device)]
         if self.draft_cache is not None:
-            self.draft_cache.truncate(slots, draft_batch.positions[draft_batch.row_offsets[:-1]])
+            self.draft_cache.truncate(spans.slots, spans.starts)
         walk = None
         if self.draft.follows_constraint and self._any_grammar(live):
             walk = MaskWalk(self.masker, [r.request_id for r in live], self.k, self._draft_bitmask,

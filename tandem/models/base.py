@@ -10,7 +10,7 @@ and the target's hidden state at the position *before* each of them: the pair
 ``(h_{p-1}, x_p)`` predicts ``x_{p+1}`` (EAGLE/MTP pairing). Hidden-reading drafts keep that
 pair at cache position ``p``; position 0 has no pair (:attr:`KVCache.first_position` = 1).
 
-KV caches are preallocated, ``[num_slots, max_len, ...]`` per layer, plus ``lengths [num_slots]``.
+KV caches are preallocated, ``[num_slots, max_len, ...]`` per layer, plus host-side ``lengths``.
 A forward writes each token's entry at its position in its slot and attends causally by
 position. :meth:`KVCache.truncate` only sets lengths (rollback after rejection, no copy);
 re-running a position overwrites it, so decoding after a truncate equals decoding a fresh
@@ -25,6 +25,8 @@ Changes to this contract are listed here:
 - ``DraftInput.constraint`` (optional, :class:`DraftConstraint`): drafts that choose their
   tokens (EAGLE, EAGLE-3, MTP; ``Draft.follows_constraint``) pick each one among the tokens
   the row's grammar allows.
+- ``ForwardBatch.spans`` (:class:`RowSpans`) and host-side ``KVCache.lengths``: layouts and cache
+  checks read Python ints, never the device; ``truncate``/``reset`` take ints.
 """
 
 from __future__ import annotations
@@ -47,23 +49,61 @@ def int64_tensor(values: Sequence[int], device: torch.device | str | None = None
     return torch.frombuffer(array.array("q", values), dtype=torch.int64).to(device)
 
 
+@dataclass(frozen=True)
+class RowSpans:
+    """A batch's rows on the host: row ``b`` holds positions ``starts[b] .. starts[b] + lengths[b] - 1``
+    of cache slot ``slots[b]``. Layouts and cache checks are planned from these Python ints, so a
+    forward never reads the device back (vLLM keeps ``*_cpu`` twins of its metadata for the same reason)."""
+
+    starts: list[int]
+    lengths: list[int]
+    slots: list[int]
+
+    def ends(self) -> list[int]:
+        """One past each row's last position."""
+        return [s + n for s, n in zip(self.starts, self.lengths)]
+
+
 @dataclass
 class ForwardBatch:
-    """A ragged batch, no padding (every tensor int64, on the model's device)."""
+    """A ragged batch, no padding: int64 tensors on the model's device, and :class:`RowSpans`, the same
+    rows on the host. Build it with :meth:`build`, :meth:`from_rows` or :meth:`following`, which keep the two in step."""
 
     input_ids: Tensor  # [T]: every row's new tokens, concatenated
     positions: Tensor  # [T]: absolute position of each token in its sequence
     row_offsets: Tensor  # [B+1]: row b owns tokens row_offsets[b]:row_offsets[b+1]
     slots: Tensor  # [B]: KV-cache slot of each row
+    spans: RowSpans  # the rows' starts, lengths and slots as Python ints
     logits_indices: Tensor | None = None  # [N] indices into T whose logits are wanted (None = all)
 
     @property
     def num_rows(self) -> int:
-        return len(self.slots)
+        return len(self.spans.slots)
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    @classmethod
+    def build(cls, input_ids: Tensor, spans: RowSpans, *, logits_indices: Tensor | None = None) -> "ForwardBatch":
+        """The batch of ``input_ids [T]`` laid out as ``spans`` (positions, offsets and slots follow on its device)."""
+        if not (len(spans.starts) == len(spans.lengths) == len(spans.slots)):
+            raise ValueError(f"starts, lengths and slots differ in length: {spans}")
+        if sum(spans.lengths) != len(input_ids):
+            raise ValueError(f"{len(input_ids)} input ids for rows of lengths {spans.lengths}")
+        device = input_ids.device
+        offsets = [0]
+        for n in spans.lengths:
+            offsets.append(offsets[-1] + n)
+        positions = [s + i for s, n in zip(spans.starts, spans.lengths) for i in range(n)]
+        return cls(
+            input_ids=input_ids,
+            positions=int64_tensor(positions, device),
+            row_offsets=int64_tensor(offsets, device),
+            slots=int64_tensor(spans.slots, device),
+            spans=spans,
+            logits_indices=logits_indices,
+        )
 
     @classmethod
     def from_rows(
@@ -78,21 +118,20 @@ class ForwardBatch:
         """Build a batch from per-row token lists ``rows[b]`` placed at ``starts[b], starts[b]+1, ...``."""
         if not (len(rows) == len(starts) == len(slots)):
             raise ValueError(f"rows, starts and slots differ in length: {len(rows)}, {len(starts)}, {len(slots)}")
-
-        def as_tensor(values: list[int]) -> Tensor:
-            return int64_tensor(values, device)
-
-        lengths = [len(row) for row in rows]
-        offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
-        return cls(
-            input_ids=as_tensor([t for row in rows for t in row]),
-            positions=as_tensor([s + i for s, n in zip(starts, lengths) for i in range(n)]),
-            row_offsets=as_tensor(offsets),
-            slots=as_tensor(slots),
-            logits_indices=None if logits_indices is None else as_tensor(logits_indices),
+        return cls.build(
+            int64_tensor([t for row in rows for t in row], device),
+            RowSpans(list(starts), [len(row) for row in rows], list(slots)),
+            logits_indices=None if logits_indices is None else int64_tensor(logits_indices, device),
         )
+
+    def following(self, input_ids: Tensor) -> "ForwardBatch":
+        """One token per row, ``input_ids [B]``, at the position after each row's last (chained drafting).
+
+        Positions are derived on the device, so chaining never waits for the device."""
+        spans = RowSpans(self.spans.ends(), [1] * self.num_rows, self.spans.slots)
+        last_positions = self.positions if self.num_tokens == self.num_rows else self.positions[self.last_token_indices()]
+        offsets = torch.arange(self.num_rows + 1, device=self.positions.device)
+        return ForwardBatch(input_ids, last_positions + 1, offsets, self.slots, spans)
 
     def last_token_indices(self) -> Tensor:
         """``[B]`` int64: index into T of each row's last token."""
@@ -100,11 +139,12 @@ class ForwardBatch:
 
     def token_rows(self) -> Tensor:
         """``[T]`` int64: the row of each token."""
-        return torch.repeat_interleave(torch.arange(self.num_rows, device=self.slots.device), self.row_offsets.diff())
+        rows = torch.arange(self.num_rows, device=self.slots.device)
+        return rows.repeat_interleave(self.row_offsets.diff(), output_size=self.num_tokens)  # sized: no device read
 
 
 class KVCache:
-    """Preallocated per-layer caches ``[num_slots, max_len, *entry_shape]`` and ``lengths [num_slots] int64``.
+    """Preallocated per-layer caches ``[num_slots, max_len, *entry_shape]`` and ``lengths``, one int per slot.
 
     What an entry holds is the model's business (Llama: stacked K and V ``[2, n_kv, head_dim]``;
     DeepSeek-V3: the compressed latent ``[kv_lora_rank + qk_rope_head_dim]``).
@@ -122,7 +162,7 @@ class KVCache:
                 raise ValueError(f"layer {i} cache shape {tuple(layer.shape)} does not start with {tuple(shape)}")
         self.layers = layers
         self.first_position = first_position
-        self.lengths = torch.zeros(shape[0], dtype=torch.int64, device=layers[0].device)
+        self.lengths = [0] * shape[0]  # host-side: the engine plans with these, the device never reads them
 
     @classmethod
     def allocate(
@@ -148,41 +188,38 @@ class KVCache:
     def max_len(self) -> int:
         return self.layers[0].shape[1]
 
-    def truncate(self, slots: Tensor, lengths: Tensor) -> None:
-        """Roll slots ``slots [B]`` back to ``lengths [B]`` positions. Sets lengths only; copies nothing."""
-        if (lengths < 0).any() or (lengths > self.max_len).any():
-            raise ValueError(f"truncate lengths {lengths.tolist()} outside [0, {self.max_len}]")
-        self.lengths[slots.to(self.lengths.device)] = lengths.to(self.lengths)
+    def truncate(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
+        """Roll ``slots`` back to ``lengths`` positions each. Sets lengths only; copies nothing."""
+        if any(not 0 <= n <= self.max_len for n in lengths):
+            raise ValueError(f"truncate lengths {list(lengths)} outside [0, {self.max_len}]")
+        for slot, n in zip(slots, lengths, strict=True):
+            self.lengths[slot] = n
 
-    def reset(self, slots: Tensor) -> None:
-        """Empty slots ``slots [B]`` (a new sequence will use them)."""
-        self.truncate(slots, torch.zeros_like(slots))
+    def reset(self, slots: Sequence[int]) -> None:
+        """Empty ``slots`` (a new sequence will use them)."""
+        self.truncate(slots, [0] * len(slots))
 
     def begin_forward(self, batch: ForwardBatch) -> None:
         """Check that ``batch`` fits and leaves no gap, then set each row's length to its last position + 1.
 
-        Call once per forward, before writing. Raises ``ValueError`` naming the row when a
-        position is past ``max_len`` or a row starts beyond what its slot holds.
+        Call once per forward, before writing. Raises ``ValueError`` naming the row when it has no
+        tokens, names a slot that does not exist, ends past ``max_len`` or starts beyond what its
+        slot holds. Reads only the batch's host-side :class:`RowSpans`.
         """
-        if batch.num_rows == 0:
-            return
-        # One host sync for the structural checks, one for the per-row positions.
-        slots, offsets = batch.slots, batch.row_offsets
-        if bool(((offsets.diff() <= 0).any() | (slots < 0).any() | (slots >= self.num_slots).any())):
-            if (offsets.diff() <= 0).any():
-                raise ValueError(f"every row needs at least one token; row_offsets={offsets.tolist()}")
-            raise ValueError(f"slots {slots.tolist()} outside [0, {self.num_slots})")
-        first, last = batch.positions[offsets[:-1]], batch.positions[offsets[1:] - 1]
-        held = self.lengths[slots].clamp(min=self.first_position)
-        bad = (last >= self.max_len) | (first > held) | (first < self.first_position)
-        if bad.any():
-            b = int(bad.nonzero()[0])
-            raise ValueError(
-                f"row {b} (slot {int(batch.slots[b])}) writes positions {int(first[b])}..{int(last[b])} but the "
-                f"slot holds {int(held[b])} positions, writes start at {self.first_position} and max_len is "
-                f"{self.max_len}"
-            )
-        self.lengths[batch.slots] = last + 1
+        spans = batch.spans
+        for b, (slot, first, n) in enumerate(zip(spans.slots, spans.starts, spans.lengths)):
+            if n <= 0:
+                raise ValueError(f"row {b} has no tokens (lengths {spans.lengths}); every row needs at least one")
+            if not 0 <= slot < self.num_slots:
+                raise ValueError(f"row {b} names slot {slot}, outside [0, {self.num_slots})")
+            held = max(self.lengths[slot], self.first_position)
+            if first + n > self.max_len or first > held or first < self.first_position:
+                raise ValueError(
+                    f"row {b} (slot {slot}) writes positions {first}..{first + n - 1} but the slot holds {held} "
+                    f"positions, writes start at {self.first_position} and max_len is {self.max_len}"
+                )
+        for slot, end in zip(spans.slots, spans.ends()):
+            self.lengths[slot] = end
 
 
 @dataclass

@@ -67,13 +67,13 @@ def attend_latent(layout: RaggedLayout, query: Tensor, latent_cache: Tensor, val
     Returns:
         ``[T, nh, value_dim]`` in the query's dtype.
     """
-    num_rows, max_query, max_key = len(layout.slots), layout.max_query, layout.max_key
+    num_rows, max_query, num_keys = len(layout.slots), layout.max_query, layout.num_keys
     num_heads, dim = query.shape[1:]
     keys = layout.cache_rows(latent_cache).unsqueeze(1)  # [B, 1, Lmax, D]
     # Heads fold into the query axis: one shared key/value head, as in MQA.
     mask = layout.visible
     if mask is not None:
-        mask = mask[..., None, :].expand(-1, -1, -1, num_heads, -1).reshape(num_rows, 1, -1, max_key)
+        mask = mask[..., None, :].expand(-1, -1, -1, num_heads, -1).reshape(num_rows, 1, -1, num_keys)
     out = F.scaled_dot_product_attention(
         layout.to_grid(query).view(num_rows, 1, max_query * num_heads, dim), keys, keys[..., :value_dim], mask,
         scale=scale,

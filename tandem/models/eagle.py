@@ -49,10 +49,7 @@ def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor,
     among those ``inp.constraint`` allows, when there is one. Returns ``[B, k]``.
     """
     batch = inp.batch
-    out = step(batch, hidden, cache)
-    last = batch.last_token_indices()
-    h, positions = out[last], batch.positions[last]
-    rows = torch.arange(batch.num_rows + 1, device=positions.device)
+    h = step(batch, hidden, cache)[batch.last_token_indices()]
     tokens = []
     constraint = inp.constraint
     for i in range(k):
@@ -60,9 +57,9 @@ def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor,
         if constraint is not None:
             constraint.advance(tokens[-1])
         if i + 1 < k:
-            positions = positions + 1
-            h = step(ForwardBatch(tokens[-1], positions, rows, batch.slots), h, cache)
-    return torch.stack(tokens, dim=1) if tokens else positions.new_zeros(batch.num_rows, 0)
+            batch = batch.following(tokens[-1])
+            h = step(batch, h, cache)
+    return torch.stack(tokens, dim=1) if tokens else batch.positions.new_zeros(batch.num_rows, 0)
 
 
 class Eagle(nn.Module):

@@ -7,9 +7,10 @@ The building blocks (:class:`Rotary`, :class:`Attention`, :class:`DecoderLayer`,
 :class:`RaggedLayout`) are shared with the EAGLE and EAGLE-3 drafts.
 
 Attention over a ragged batch: queries sit in a padded ``[B, Qmax]`` grid, each row's cache
-slot is read as ``[B, Lmax]`` keys, and one ``scaled_dot_product_attention`` call runs with the
-mask ``first_position <= key position <= query position``. The cache entry
-per token and layer is the stacked ``(K, V)``: ``[2, num_key_value_heads, head_dim]``.
+slot is read as ``[B, Lmax]`` keys from the cache's first position, and one
+``scaled_dot_product_attention`` call runs with the mask ``key position <= query position``
+(none for one token per row at each row's end). The cache entry per token and layer is the
+stacked ``(K, V)``: ``[2, num_key_value_heads, head_dim]``.
 """
 
 from __future__ import annotations
@@ -78,28 +79,37 @@ def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
 class RaggedLayout:
     """Where each token of a ragged batch sits in a padded ``[B, Qmax]`` query grid, and what it sees.
 
-    Built once per forward and shared by all layers. The common cases copy nothing: when every
-    row has the same number of tokens (decode and verify steps) the grid is a view of the
-    tokens, and when the rows' slots are consecutive their keys are a view of the cache.
+    Built once per forward from the batch's host-side spans and shared by all layers. The common
+    cases copy nothing: when every row has the same number of tokens (decode and verify steps) the
+    grid is a view of the tokens, and when the rows' slots are consecutive their keys are a view of
+    the cache. Keys start at ``key_start`` (a draft's cache holds nothing at position 0), so a
+    step of one token per row at each row's end needs no mask.
     """
 
     token_slots: Tensor  # [T] int64: cache slot of each token
     slots: Tensor  # [B] int64
     grid_index: tuple[Tensor, Tensor] | None  # (row, column) [T] of each token in the grid; None: T == B * Qmax
     first_slot: int | None  # slots == first_slot + arange(B), or None (the keys are gathered)
-    visible: Tensor | None  # [B, 1, Qmax, Lmax] bool: first_position <= key position <= query position
+    visible: Tensor | None  # [B, 1, Qmax, num_keys] bool: key position <= query position
     #                         (None when every query sees every key)
     max_query: int
-    max_key: int
+    key_start: int  # position of the first key
+    max_key: int  # one past the position of the last key
+
+    @property
+    def num_keys(self) -> int:
+        return self.max_key - self.key_start
 
     @classmethod
     def build(cls, batch: ForwardBatch, first_position: int = 0) -> "RaggedLayout":
+        spans = batch.spans
         num_rows, num_tokens = batch.num_rows, batch.num_tokens
-        max_query, max_key = int(batch.row_offsets.diff().max()), int(batch.positions.max()) + 1
+        ends = spans.ends()
+        max_query, max_key = max(spans.lengths), max(ends)
         if num_tokens == num_rows * max_query:
             grid_index = None
             query_positions = batch.positions.view(num_rows, max_query)
-            token_slots = batch.slots.repeat_interleave(max_query)
+            token_slots = batch.slots.repeat_interleave(max_query) if max_query > 1 else batch.slots
         else:
             token_rows = batch.token_rows()
             grid_index = token_rows, torch.arange(num_tokens, device=token_rows.device) - batch.row_offsets[token_rows]
@@ -107,12 +117,13 @@ class RaggedLayout:
             query_positions = batch.positions.new_full((num_rows, max_query), max_key - 1)
             query_positions[grid_index] = batch.positions
             token_slots = batch.slots[token_rows]
-        keys = torch.arange(max_key, device=batch.positions.device)
-        visible = (keys <= query_positions[..., None]) & (keys >= first_position)
-        slots = batch.slots.tolist()
+        visible = None
+        if max_query > 1 or min(ends) < max_key:
+            keys = torch.arange(first_position, max_key, device=batch.positions.device)
+            visible = (keys <= query_positions[..., None])[:, None]
+        slots = spans.slots
         first_slot = slots[0] if slots == list(range(slots[0], slots[0] + num_rows)) else None
-        return cls(token_slots, batch.slots, grid_index, first_slot,
-                   None if bool(visible.all()) else visible[:, None], max_query, max_key)
+        return cls(token_slots, batch.slots, grid_index, first_slot, visible, max_query, first_position, max_key)
 
     def to_grid(self, x: Tensor) -> Tensor:
         """``[T, ...]`` -> ``[B, Qmax, ...]`` (padding zero-filled)."""
@@ -127,10 +138,10 @@ class RaggedLayout:
         return grid.flatten(0, 1) if self.grid_index is None else grid[self.grid_index]
 
     def cache_rows(self, cache: Tensor) -> Tensor:
-        """The rows' cache entries: ``cache [slots, max_len, ...]`` -> ``[B, Lmax, ...]``."""
+        """The rows' cache entries: ``cache [slots, max_len, ...]`` -> ``[B, num_keys, ...]``."""
         if self.first_slot is not None:
-            return cache[self.first_slot : self.first_slot + len(self.slots), : self.max_key]
-        return cache[:, : self.max_key].index_select(0, self.slots)
+            return cache[self.first_slot : self.first_slot + len(self.slots), self.key_start : self.max_key]
+        return cache[:, self.key_start : self.max_key].index_select(0, self.slots)
 
     def attend(self, q: Tensor, cache: Tensor, scale: float) -> Tensor:
         """Attention of ``q: [T, nh, d]`` over each row's slot of ``cache: [slots, max_len, 2, nkv, d]``.

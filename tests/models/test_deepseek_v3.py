@@ -92,7 +92,7 @@ def test_prefill_decode_truncate_match_transformers(tmp_path, variant, overrides
 
     # Reject the last 2 tokens of row 1, decode others in their place: a chunk, then a single token.
     seqs[1] = seqs[1][:-2]
-    cache.truncate(torch.tensor([0]), torch.tensor([len(seqs[1])]))
+    cache.truncate([0], [len(seqs[1])])
     for new in ([7, 8], [9]):
         out = model.forward(ForwardBatch.from_rows([new], [len(seqs[1])], [0]), cache)
         seqs[1] += new
@@ -105,7 +105,7 @@ def test_decode_after_truncate_equals_fresh_cache(tmp_path):
     committed, rejected, redo = [5, 17, 250, 3, 99], [41, 42, 43], [60, 61]
     cache = model.new_cache(num_slots=1, max_len=16)
     model.forward(ForwardBatch.from_rows([committed + rejected], [0], [0]), cache)
-    cache.truncate(torch.tensor([0]), torch.tensor([len(committed)]))
+    cache.truncate([0], [len(committed)])
     after_truncate = model.forward(ForwardBatch.from_rows([redo], [len(committed)], [0]), cache).logits
 
     fresh = model.new_cache(num_slots=1, max_len=16)

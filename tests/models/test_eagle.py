@@ -97,7 +97,7 @@ def test_propose_matches_the_uncached_reference_across_rollbacks(tmp_path, targe
     verify = ForwardBatch.from_rows([[int(seqs[0][-1])] + extra[0][:2], [int(seqs[1][-1])]], [8, 4], [1, 0])
     new_hidden = target.forward(verify, tcache, return_hidden=True).hidden
     starts = [len(seqs[0]), len(seqs[1])]
-    dcache.truncate(torch.tensor([1, 0]), torch.tensor(starts))
+    dcache.truncate([1, 0], starts)
     batch = ForwardBatch.from_rows(extra, starts, [1, 0])
     proposal = draft.propose(DraftInput(batch=batch, hidden=new_hidden, history=None), dcache, 3)
     for b, (rows_new, h_new) in enumerate([(slice(0, 3), new_hidden[:3]), (slice(3, 4), new_hidden[3:])]):

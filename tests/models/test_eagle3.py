@@ -91,7 +91,7 @@ def check_against_reference(draft, target, w, reference, vocab):
     for b in range(2):
         assert proposal.tokens[b].tolist() == reference_propose(reference, w, target, auxes[b][:-1], seqs[b][1:], 4)
     # A rollback: keep one draft, then the bonus; the stale speculative entries are overwritten.
-    dcache.truncate(torch.tensor([0, 1]), torch.tensor([8, 5]))
+    dcache.truncate([0, 1], [8, 5])
     new_tokens = [proposal.tokens[0, :1].tolist() + [5], [9]]
     verify = ForwardBatch.from_rows([[int(seqs[0][-1]), new_tokens[0][0]], [int(seqs[1][-1])]], [7, 4], [0, 1])
     new_aux = target.forward(verify, tcache, return_aux=True).aux_hidden

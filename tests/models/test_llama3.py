@@ -55,7 +55,7 @@ def test_prefill_of_a_ragged_batch_matches_transformers(pair):
     expected = torch.cat([hf_forward(hf, row)[0] for row in rows])
     assert logits.dtype == torch.float32 and logits.shape == expected.shape
     assert max_diff(logits, expected) <= TOL
-    assert cache.lengths.tolist() == [3, 0, 7, 12]
+    assert cache.lengths == [3, 0, 7, 12]
 
 
 @pytest.mark.parametrize("slot_a, slot_b", [(1, 0), (0, 1)])  # keys gathered / read as a view of the cache
@@ -91,7 +91,7 @@ def test_truncate_and_redecode_equals_a_fresh_cache_and_transformers(pair):
     committed, rejected, replacement = sequences(4, [9, 5, 4])
     cache = target.new_cache(num_slots=1, max_len=32)
     target.forward(ForwardBatch.from_rows([committed + rejected], [0], [0]), cache)
-    cache.truncate(torch.tensor([0]), torch.tensor([len(committed)]))
+    cache.truncate([0], [len(committed)])
     redecoded = target.forward(ForwardBatch.from_rows([replacement], [len(committed)], [0]), cache).logits
 
     fresh_cache = target.new_cache(num_slots=1, max_len=32)

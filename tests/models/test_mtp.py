@@ -119,7 +119,7 @@ def test_mtp_proposals_match_reference_over_two_rounds_with_rollback(tmp_path):
     # Round 2: row 0 commits two drafts and a bonus token, row 1 only a bonus token.
     new = [proposal.tokens[0, :2].tolist() + [11], [12]]
     starts = [len(s) for s in seqs]
-    draft_cache.truncate(torch.tensor(slots), torch.tensor(starts))  # drop the speculative entries
+    draft_cache.truncate(slots, starts)  # drop the speculative entries
     out = target.forward(ForwardBatch.from_rows(new, starts, slots), target_cache, return_hidden=True)
     new_hidden = out.hidden.split([len(n) for n in new])
     inp = pairs_input(new, starts, slots, [torch.cat([h[-1:], nh[:-1]]) for h, nh in zip(hidden, new_hidden)])
