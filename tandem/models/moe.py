@@ -79,12 +79,40 @@ class GroupLimitedRouter(nn.Module):
         load_param(self.e_score_correction_bias, take, f"{prefix}e_score_correction_bias")
 
 
+def has_grouped_mm(x: Tensor, weights: Tensor) -> bool:
+    """Whether to use ``F.grouped_mm``: off the CPU, where the loop's read of the group ends would make
+    the host wait for the device, and only where CUDA's kernel runs (bfloat16, compute capability
+    8.0 or later, 16-byte aligned rows; the meta kernels check the same)."""
+    if x.device.type == "cpu" or x.dtype != torch.bfloat16:
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
+        return False
+    return all(stride * t.element_size() % 16 == 0 for t in (x, weights) for stride in t.stride() if stride != 1)
+
+
+def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor) -> Tensor:
+    """Each group's rows times its weight: ``x [N, K]`` sorted by group, ``weights [E, K, M]``, ``ends [E]
+    int32`` (one past each group's last row) -> ``[N, M]``.
+
+    One ``F.grouped_mm`` call, which never reads the device, where :func:`has_grouped_mm`; else a
+    loop over the groups that got rows, which reads ``ends`` once (free on the CPU, and faster there
+    for the one or two experts a decoded token visits).
+    """
+    if has_grouped_mm(x, weights):
+        return F.grouped_mm(x, weights, offs=ends)
+    out = x.new_empty(len(x), weights.shape[2])
+    start = 0
+    for group, end in enumerate(ends.tolist()):
+        if end > start:
+            torch.mm(x[start:end], weights[group], out=out[start:end])
+        start = end
+    return out
+
+
 class RoutedExperts(nn.Module):
     """E SwiGLU experts as stacked weights (``gate_up [E, 2I, H]``, gate rows first; ``down [E, H, I]``),
-    dispatched by sorting (token, expert) pairs by expert.
-
-    The loop runs over experts that received tokens (never over tokens); each expert's
-    outputs are weighted and scattered back with ``index_add_``.
+    dispatched by sorting (token, expert) pairs by expert: one :func:`grouped_matmul` per projection
+    over the sorted rows, weighted and scattered back with ``index_add_``.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, **factory):
@@ -95,17 +123,12 @@ class RoutedExperts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """``x: [T, H]``, ``weights: [T, k] float32``, ``experts: [T, k] int64`` -> ``[T, H]`` in x's dtype."""
         top_k = experts.shape[1]
-        flat_experts = experts.flatten()
-        order = flat_experts.argsort(stable=True)  # (token, choice) pairs grouped by expert
+        sorted_experts, order = experts.flatten().sort(stable=True)  # (token, choice) pairs grouped by expert
         tokens = order // top_k
-        counts = torch.bincount(flat_experts, minlength=self.gate_up.shape[0]).tolist()
-        outputs = []
-        for expert, rows in enumerate(x[tokens].split(counts)):
-            if rows.shape[0]:
-                gate, up = (rows @ self.gate_up[expert].T).chunk(2, dim=-1)
-                hidden = F.silu(gate) * up
-                outputs.append(hidden @ self.down[expert].T)
-        routed = torch.cat(outputs) * weights.flatten()[order, None]
+        expert_ids = torch.arange(self.gate_up.shape[0], device=x.device)
+        ends = torch.searchsorted(sorted_experts, expert_ids, right=True).to(torch.int32)
+        gate, up = grouped_matmul(x[tokens], self.gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
+        routed = grouped_matmul(F.silu(gate) * up, self.down.transpose(1, 2), ends) * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, routed.to(x.dtype))
 
     def load(self, take: TakeFn, prefix: str) -> None:

@@ -1,5 +1,5 @@
 """DeepSeek-V3 target: logit parity with transformers' DeepseekV3ForCausalLM (fp32, max abs diff <= 1e-4)
-over prefill, cached decode and truncate-and-redecode; latent-only cache; routing; loader errors."""
+over prefill, cached decode and truncate-and-redecode; latent-only cache; routing; expert dispatch; loader errors."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from tandem.models import CheckpointError, ForwardBatch, load_target
+from tandem.models import CheckpointError, ForwardBatch, load_target, moe
 from tandem.models.deepseek_v3 import DeepseekV3
 from tandem.models.rope import RotaryEmbedding
 
@@ -161,6 +163,31 @@ def test_routing_in_the_test_config_depends_on_groups_and_bias(tmp_path):
     assert not torch.equal(experts.sort().values, ungrouped.sort().values)
     router.e_score_correction_bias.zero_()
     assert not torch.equal(router(x)[1], experts)
+
+
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=6), st.booleans())
+@settings(max_examples=30, deadline=None)
+def test_grouped_matmul_multiplies_each_group_by_its_weight(group_sizes, one_kernel):
+    """Both dispatches (``F.grouped_mm`` and the loop it falls back to), empty groups included."""
+    g = torch.Generator().manual_seed(sum(group_sizes))
+    x = torch.randn(sum(group_sizes), 8, generator=g)
+    weights = torch.randn(len(group_sizes), 8, 12, generator=g)
+    ends = torch.tensor(group_sizes).cumsum(0).to(torch.int32)
+    expected = torch.cat([x[end - n : end] @ w for n, end, w in zip(group_sizes, ends.tolist(), weights)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moe, "has_grouped_mm", lambda *_: one_kernel)
+        torch.testing.assert_close(moe.grouped_matmul(x, weights, ends), expected)
+
+
+def test_grouped_mm_is_used_off_the_cpu_where_its_kernel_runs():
+    """The meta device checks operands as CUDA does: bfloat16, 16-byte aligned rows."""
+    def operands(device, dtype, out_features=16):
+        return torch.empty(6, 8, device=device, dtype=dtype), torch.empty(3, 8, out_features, device=device, dtype=dtype)
+
+    assert moe.has_grouped_mm(*operands("meta", torch.bfloat16))
+    assert not moe.has_grouped_mm(*operands("meta", torch.bfloat16, out_features=5))  # 10-byte rows
+    assert not moe.has_grouped_mm(*operands("meta", torch.float32))
+    assert not moe.has_grouped_mm(*operands("cpu", torch.bfloat16))  # the loop: reading counts is free here
 
 
 def test_published_rope_scaling_config_matches_transformers_yarn():

@@ -3,8 +3,7 @@
 The providers here run on the meta device, where reading a tensor's values raises: a
 ``.tolist()``, ``int(tensor)`` or unsized ``repeat_interleave`` in a forward or in chained
 drafting (each a device sync on a GPU, which stalls the mask overlap) fails these tests.
-MoE dispatch reads its per-expert counts (one read per MoE layer, by design), so the
-DeepSeek-V3 models run dense.
+MoE layers keep their per-expert token counts on the device too (``F.grouped_mm``).
 """
 
 from __future__ import annotations
@@ -41,11 +40,11 @@ def prefill_then_verify(target, cache, *, return_hidden=False, return_aux=False)
     return out
 
 
-def chain(draft, hidden_width: int, k: int = 4):
+def chain(draft, hidden_width: int, k: int = 4, dtype: torch.dtype = torch.float32):
     """Committed pairs of three ragged rows, then ``k - 1`` chained single-token steps."""
     cache = draft.new_cache(3, 32)
     batch = ForwardBatch.from_rows([[2, 3], [4], [6, 7, 8]], [1, 1, 1], [2, 0, 1], device="meta")
-    hidden = torch.zeros(batch.num_tokens, hidden_width, device="meta")
+    hidden = torch.zeros(batch.num_tokens, hidden_width, dtype=dtype, device="meta")
     proposal = draft.propose(DraftInput(batch, hidden, None), cache, k)
     assert proposal.tokens.shape == (3, k) and proposal.tokens.is_meta
     assert cache.lengths == [2 + k - 1, 4 + k - 1, 3 + k - 1]  # slots 0, 1, 2: their row's end, k - 1 chained
@@ -62,10 +61,10 @@ def test_llama_and_its_eagle_drafts_never_read_the_device():
     chain(Eagle3(eagle3_config, target, **META), len(target.aux_layer_ids) * target.hidden_size)
 
 
-def test_dense_deepseek_and_its_mtp_layer_never_read_the_device():
+def test_deepseek_and_its_mtp_layer_never_read_the_device():
+    """In bfloat16, the dtype whose grouped matmul the meta kernels (like CUDA's) accept."""
     config = demo_config("demo-deepseek")
-    config["first_k_dense_replace"] = config["num_hidden_layers"] + 1  # the MTP layer too
-    target = DeepseekV3(config, **META)
+    assert config["first_k_dense_replace"] < config["num_hidden_layers"]  # MoE layers, the MTP layer's too
+    target = DeepseekV3(config, dtype=torch.bfloat16, device="meta")
     prefill_then_verify(target, target.new_cache(3, 32), return_hidden=True)
-    chain(MultiTokenPredictor(config, target, **META), target.hidden_size)
-
+    chain(MultiTokenPredictor(config, target, dtype=torch.bfloat16, device="meta"), target.hidden_size, dtype=torch.bfloat16)
