@@ -17,6 +17,11 @@ One `step()` runs, for every running row (DESIGN.md, "The speculative step"):
 
 Cache invariant: a row's target KV cache holds positions 0 .. len(tokens) - 2; its last
 committed token is always fed again as t_last by the next step.
+
+Device reads: a step reads results back from the device twice, by design: at commit (the
+acceptance result) and after propose (the drafts, which the next masks need). Batches carry their rows' spans as
+Python ints and caches keep their lengths on the host, so no forward reads the device back
+(`tests/models/test_host_planning.py` runs the providers on the meta device to hold that).
 """
 
 from __future__ import annotations
