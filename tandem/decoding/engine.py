@@ -13,7 +13,8 @@ One `step()` runs, for every running row (DESIGN.md, "The speculative step"):
 5. commit  accepted drafts + the emitted token, cut by max_tokens / EOS / stop strings /
            grammar termination; KV caches truncated to the committed length
 6. propose the draft reads the target's hidden states at the committed positions; rows with a
-           grammar draft under it (a `MaskWalk` tells the draft which tokens each position allows)
+           grammar draft under it (a `MaskWalk` tells the draft which tokens each position allows),
+           rows with penalties or logit biases draft with them applied
 
 Cache invariant: a row's target KV cache holds positions 0 .. len(tokens) - 2; its last
 committed token is always fed again as t_last by the next step.
@@ -275,14 +276,18 @@ class Engine:
         return bitmask if any_grammar else None, in_thinking if self.config.relaxed is not None else None
 
     @staticmethod
-    def _adjusted(rows: list[_Request], logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-        """The logits [B, k+1, V] with each row's penalties and logit bias applied (`decoding.penalties`);
-        the model's own when no row asks for any (such steps pay nothing)."""
+    def _adjustments(rows: list[_Request], vocab_size: int, device: torch.device) -> LogitAdjustments | None:
+        """The rows' penalties and logit biases over their committed output (`decoding.penalties`);
+        None when no row asks for any (such steps pay nothing)."""
         if not any(r.params.adjusts_logits for r in rows):
-            return logits
-        adjustments = LogitAdjustments.build([r.params for r in rows], [r.prompt for r in rows],
-                                             [r.tokens[len(r.prompt):] for r in rows], logits.shape[-1], logits.device)
-        return adjustments.apply(logits, drafts)
+            return None
+        return LogitAdjustments.build([r.params for r in rows], [r.prompt for r in rows],
+                                      [r.tokens[len(r.prompt):] for r in rows], vocab_size, device)
+
+    def _adjusted(self, rows: list[_Request], logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """The logits [B, k+1, V] with each row's adjustments applied; the model's own when none."""
+        adjustments = self._adjustments(rows, logits.shape[-1], logits.device)
+        return logits if adjustments is None else adjustments.apply(logits, drafts)
 
     @staticmethod
     def _sampling(rows: list[_Request], device: torch.device) -> SamplingTensors | None:
@@ -361,13 +366,15 @@ class Engine:
         hidden = None if hidden_all is None else hidden_all[int64_tensor(hidden_rows, device)]
         if self.draft_cache is not None:
             self.draft_cache.truncate(spans.slots, spans.starts)
+        adjustments = self._adjustments(live, self.target.vocab_size, device) if self.draft.follows_constraint else None
         walk = None
         if self.draft.follows_constraint and self._any_grammar(live):
             walk = MaskWalk(self.masker, [r.request_id for r in live], self.k, self._draft_bitmask,
                             self._draft_thinking, device)
         try:
             proposal = self.draft.propose(
-                DraftInput(batch=draft_batch, hidden=hidden, history=histories, constraint=walk), self.draft_cache, self.k)
+                DraftInput(draft_batch, hidden, histories, constraint=walk,
+                           adjust=None if adjustments is None else adjustments.apply_after), self.draft_cache, self.k)
         finally:
             if walk is not None:
                 walk.finish()

@@ -11,7 +11,9 @@ distribution is formed (sampling.py: grammar mask, temperature, filters), in vLL
 With speculation, "the output so far" at verify position j is the committed output followed by
 the drafts d_0 .. d_{j-1}: position j's distribution is only used when those drafts are
 accepted, and then they are output. So one row's counts differ from position to position, and
-speculative decoding with penalties stays exactly plain decoding with penalties.
+speculative decoding with penalties stays exactly plain decoding with penalties. Drafts that
+choose their tokens apply the same adjustments while they chain (`apply_after`), so what they
+propose is what the penalised target would pick.
 """
 
 from __future__ import annotations
@@ -88,8 +90,18 @@ class LogitAdjustments:
         drafted = torch.zeros(batch, num_positions, vocab_size, device=logits.device)
         # Draft j is output before position j + 1: one-hot it there, then sum along the window.
         drafted[:, 1:].scatter_(-1, drafts.clamp(0, vocab_size - 1).unsqueeze(-1), real.unsqueeze(-1).float())
-        counts = self.output_counts.unsqueeze(1) + drafted.cumsum(dim=1)  # [B, k+1, V]
-        logits = logits.float()
+        return self._adjust(logits.float(), self.output_counts.unsqueeze(1) + drafted.cumsum(dim=1))
+
+    def apply_after(self, logits: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
+        """Adjusted logits ``[B, V]`` of the position after ``proposed [B, i]`` (valid ids): what a
+        draft chooses from while it proposes (a :class:`tandem.models.base.LogitAdjuster`)."""
+        counts = self.output_counts.scatter_add(1, proposed, torch.ones_like(proposed, dtype=torch.float32))
+        return self._adjust(logits.float().unsqueeze(1), counts.unsqueeze(1)).squeeze(1)
+
+    def _adjust(self, logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``logits, counts: [B, P, V]`` float32 (counts: each token's occurrences in the output before
+        each position) -> adjusted ``[B, P, V]``."""
+        batch = len(logits)
         if self.bias is not None:
             logits = logits + self.bias.unsqueeze(1)
         if self.prompt_seen is not None:

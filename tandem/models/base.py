@@ -25,6 +25,8 @@ Changes to this contract are listed here:
 - ``DraftInput.constraint`` (optional, :class:`DraftConstraint`): drafts that choose their
   tokens (EAGLE, EAGLE-3, MTP; ``Draft.follows_constraint``) pick each one among the tokens
   the row's grammar allows.
+- ``DraftInput.adjust`` (optional, :class:`LogitAdjuster`): those drafts choose on logits with the
+  rows' penalties and logit biases applied, so a penalised row's drafts still match its target.
 - ``ForwardBatch.spans`` (:class:`RowSpans`) and host-side ``KVCache.lengths``: layouts and cache
   checks read Python ints, never the device; ``truncate``/``reset`` take ints.
 """
@@ -279,12 +281,23 @@ class DraftConstraint(Protocol):
         ...
 
 
+class LogitAdjuster(Protocol):
+    """The rows' penalties and logit biases, applied to a draft's logits before each choice, as the
+    target's verify positions will apply them (``decoding.penalties``)."""
+
+    def __call__(self, logits: Tensor, proposed: Tensor) -> Tensor:
+        """``logits [B, V]`` over the target vocabulary at the position after ``proposed [B, i]``
+        (this proposal's tokens so far) -> adjusted ``[B, V]`` float32."""
+        ...
+
+
 @dataclass
 class DraftInput:
     batch: ForwardBatch  # per row: the tokens committed since the last proposal, at their positions
     hidden: Tensor | None  # [T, Hd]: target hidden state at the position BEFORE each token
     history: list[Tensor] | None  # per row: all committed token ids [L_b] int64 (n-gram lookup)
     constraint: DraftConstraint | None = None  # grammar-aware drafting (None: propose freely)
+    adjust: LogitAdjuster | None = None  # the rows' penalties and logit biases (None: the draft's own logits)
 
 
 @dataclass
@@ -300,7 +313,7 @@ HiddenKind = Literal["last", "aux", None]
 class Draft(Protocol):
     """A draft model. ``hidden_kind`` says what it reads: the target's ``hidden`` ("last"), ``aux_hidden``
     ("aux"), or nothing (None). ``follows_constraint`` says whether ``propose`` reads
-    ``DraftInput.constraint`` (drafts that copy tokens, like n-gram lookup, do not)."""
+    ``DraftInput.constraint`` and ``DraftInput.adjust`` (drafts that copy tokens, like n-gram lookup, do not)."""
 
     hidden_kind: HiddenKind
     follows_constraint: bool

@@ -25,7 +25,7 @@ from tandem.models.llama3 import DecoderLayer, RaggedLayout, Rotary, check_activ
 from tandem.models.loading import WeightReader, load_module
 
 StepFn = Callable[[ForwardBatch, Tensor, KVCache], Tensor]  # (batch, hidden [T, *], cache) -> hidden [T, H]
-HeadFn = Callable[[Tensor, Tensor | None], Tensor]  # (hidden [B, H], allowed [B, V] | None) -> token ids [B]
+HeadFn = Callable[[Tensor], Tensor]  # hidden [B, H] -> logits [B, V] over the target vocabulary
 
 
 def check_pair(config: dict[str, Any], target: Target, what: str) -> None:
@@ -36,30 +36,31 @@ def check_pair(config: dict[str, Any], target: Target, what: str) -> None:
         )
 
 
-def constrained_argmax(logits: Tensor, allowed: Tensor | None) -> Tensor:
-    """``[B, V]`` logits -> ``[B]`` int64 argmax among the ``allowed [B, V]`` tokens (None: all)."""
-    return (logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))).argmax(dim=-1)
-
-
 def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor, cache: KVCache, k: int) -> Tensor:
     """Run ``step`` over the committed tokens, then chain ``k - 1`` single-token steps.
 
     ``hidden [T, *]`` is what ``step`` reads for the committed tokens; chained steps read the
-    previous step's output at each row's last token, at the next position. Each token is chosen
-    among those ``inp.constraint`` allows, when there is one. Returns ``[B, k]``.
+    previous step's output at each row's last token, at the next position. Each token is the
+    argmax of ``head``'s logits after ``inp.adjust`` (penalties), among the tokens
+    ``inp.constraint`` allows (lowest id among ties). Returns ``[B, k]`` int64.
     """
     batch = inp.batch
     h = step(batch, hidden, cache)[batch.last_token_indices()]
-    tokens = []
+    tokens = batch.input_ids.new_empty(batch.num_rows, k)
     constraint = inp.constraint
     for i in range(k):
-        tokens.append(head(h, None if constraint is None else constraint.allowed()))
+        logits = head(h)
+        if inp.adjust is not None:
+            logits = inp.adjust(logits, tokens[:, :i])
         if constraint is not None:
-            constraint.advance(tokens[-1])
+            logits = logits.masked_fill(~constraint.allowed(), float("-inf"))
+        tokens[:, i] = logits.argmax(dim=-1)
+        if constraint is not None:
+            constraint.advance(tokens[:, i])
         if i + 1 < k:
-            batch = batch.following(tokens[-1])
+            batch = batch.following(tokens[:, i])
             h = step(batch, h, cache)
-    return torch.stack(tokens, dim=1) if tokens else batch.positions.new_zeros(batch.num_rows, 0)
+    return tokens
 
 
 class Eagle(nn.Module):
@@ -97,15 +98,11 @@ class Eagle(nn.Module):
         """``hidden [N, H]`` draft output -> ``[N, V] float32``: the target's head, no norm."""
         return self.target_lm_head(hidden)
 
-    def next_tokens(self, hidden: Tensor, allowed: Tensor | None = None) -> Tensor:
-        """``hidden [B, H]`` -> argmax of the target's head ``[B]`` int64 (among ``allowed [B, V]``)."""
-        return constrained_argmax(self.logits(hidden), allowed)
-
     def propose(self, inp: DraftInput, cache: KVCache, num_tokens: int) -> DraftProposal:
         """Greedy EAGLE proposals ``tokens [B, num_tokens]``; ``probs`` None (deterministic)."""
         if inp.hidden is None:
             raise ValueError("the EAGLE draft needs DraftInput.hidden: the target's last hidden state [T, H]")
-        tokens = propose_chained(self.step, self.next_tokens, inp, inp.hidden, cache, num_tokens)
+        tokens = propose_chained(self.step, self.logits, inp, inp.hidden, cache, num_tokens)
         return DraftProposal(tokens=tokens, probs=None)
 
 

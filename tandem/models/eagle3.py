@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.models.base import DraftInput, DraftProposal, ForwardBatch, KVCache, Target
-from tandem.models.eagle import check_pair, constrained_argmax, propose_chained
+from tandem.models.eagle import check_pair, propose_chained
 from tandem.models.layers import GatedMLP, RMSNorm, checkpoint_tensors
 from tandem.models.llama3 import Attention, RaggedLayout, Rotary, check_activation, kv_entry_shape
 from tandem.models.loading import CheckpointError, WeightReader, load_param
@@ -83,6 +83,7 @@ class Eagle3(nn.Module):
         hidden = config["hidden_size"]
         target_hidden = config.get("target_hidden_size") or target.hidden_size
         self.draft_vocab_size = config.get("draft_vocab_size") or target.vocab_size
+        self.target_vocab_size = target.vocab_size
         # Bound method, not the module: the target must not become a submodule of the draft.
         self.target_embed = target.embed
         self.fc = nn.Linear(len(target.aux_layer_ids) * target_hidden, hidden, bias=False, **factory)
@@ -110,11 +111,11 @@ class Eagle3(nn.Module):
         """``hidden [N, H]`` pre-norm output -> draft-vocabulary logits ``[N, draft_V]``."""
         return self.lm_head(self.norm(hidden))
 
-    def next_tokens(self, hidden: Tensor, allowed: Tensor | None = None) -> Tensor:
-        """``hidden [B, H]`` -> target ids ``[B]`` int64 of the draft-vocabulary argmax (among the
-        draft ids whose target ids ``allowed [B, V_target]`` allows)."""
-        allowed = None if allowed is None else allowed[:, self.target_ids]
-        return self.target_ids[constrained_argmax(self.logits(hidden), allowed)]
+    def target_logits(self, hidden: Tensor) -> Tensor:
+        """``hidden [B, H]`` -> ``[B, V_target]``: each draft id's logit at its target id, -inf elsewhere."""
+        logits = self.logits(hidden)
+        full = logits.new_full((len(logits), self.target_vocab_size), float("-inf"))
+        return full.index_copy_(1, self.target_ids, logits)
 
     def propose(self, inp: DraftInput, cache: KVCache, num_tokens: int) -> DraftProposal:
         """Greedy EAGLE-3 proposals ``tokens [B, num_tokens]``; ``probs`` None (deterministic)."""
@@ -122,7 +123,7 @@ class Eagle3(nn.Module):
             shape = None if inp.hidden is None else tuple(inp.hidden.shape)
             raise ValueError(f"EAGLE-3 needs the target's aux_hidden [T, {self.fc.in_features}], got {shape}")
         fused = self.fc(inp.hidden.to(self.fc.weight.dtype))
-        tokens = propose_chained(self.step, self.next_tokens, inp, fused, cache, num_tokens)
+        tokens = propose_chained(self.step, self.target_logits, inp, fused, cache, num_tokens)
         return DraftProposal(tokens=tokens, probs=None)
 
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from tandem.models.base import DraftInput, DraftProposal, ForwardBatch, KVCache, Target
 from tandem.models.deepseek_v3 import DecoderLayer, check_config
-from tandem.models.eagle import constrained_argmax, propose_chained
+from tandem.models.eagle import propose_chained
 from tandem.models.layers import RMSNorm
 from tandem.models.llama3 import RaggedLayout
 from tandem.models.loading import CheckpointError, TakeFn, WeightReader, load_param
@@ -99,10 +99,6 @@ class MultiTokenPredictor(nn.Module):
         """``g: [N, H]`` pre-norm MTP output -> ``[N, V] float32``."""
         return self._lm_head(self.shared_head_norm(g))
 
-    def next_tokens(self, g: Tensor, allowed: Tensor | None = None) -> Tensor:
-        """``g: [N, H]`` -> ``[N] int64`` argmax proposals (among ``allowed [N, V]``)."""
-        return constrained_argmax(self.logits(g), allowed)
-
     @torch.inference_mode()
     def propose(self, inp: DraftInput, cache: KVCache, num_tokens: int) -> DraftProposal:
         """Consume the committed pairs of ``inp`` and chain ``num_tokens`` argmax proposals per row.
@@ -114,7 +110,7 @@ class MultiTokenPredictor(nn.Module):
         """
         if inp.hidden is None:
             raise ValueError("the MTP draft needs the target's hidden states (DraftInput.hidden is None)")
-        tokens = propose_chained(self.step, self.next_tokens, inp, inp.hidden, cache, num_tokens)
+        tokens = propose_chained(self.step, self.logits, inp, inp.hidden, cache, num_tokens)
         return DraftProposal(tokens=tokens, probs=None)
 
     def load(self, take: TakeFn) -> None:

@@ -58,6 +58,24 @@ def test_every_position_counts_the_output_and_the_drafts_before_it(rows, seed):
                                        rtol=1e-6, atol=1e-5)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.lists(st.tuples(row_params, token_lists, token_lists), min_size=1, max_size=4),
+    proposed=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_a_draft_position_counts_the_output_and_the_proposals_before_it(rows, proposed, seed):
+    """``apply_after``: what a chaining draft chooses from equals the verify position it proposes for."""
+    params, prompts, outputs = (list(column) for column in zip(*rows))
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(rows), VOCAB, generator=g) * 3
+    tokens = torch.randint(VOCAB, (len(rows), proposed), generator=g)
+    adjusted = LogitAdjustments.build(params, prompts, outputs, VOCAB).apply_after(logits, tokens)
+    for b in range(len(rows)):
+        expected = reference(logits[b], params[b], prompts[b], outputs[b] + tokens[b].tolist())
+        torch.testing.assert_close(adjusted[b], expected, rtol=1e-6, atol=1e-5)
+
+
 def test_repetition_penalty_agrees_with_transformers():
     generator = torch.Generator().manual_seed(0)
     logits, prompt, output = torch.randn(1, 1, 64, generator=generator) * 4, [3, 5, 5, 9], [9, 12, 40]

@@ -106,6 +106,18 @@ def test_speculative_greedy_equals_plain_greedy_with_penalties_and_logit_bias(ll
 
 
 @pytest.mark.parametrize("pair", sorted(TRAINED), ids=["+".join(p) for p in sorted(TRAINED)])
+def test_drafts_choose_with_their_rows_penalties_and_biases(llms, pair):
+    """A bias that makes the target repeat one token: drafts that apply the row's adjustments propose it
+    every time, and every draft is accepted; the unbiased rows beside them draft as usual."""
+    favoured = _TOKEN("positive")
+    outputs = generate(llms(*pair), 8, False, [{"logit_bias": {favoured: 100.0}}, {}])
+    for biased in outputs[0::2]:
+        assert set(biased.token_ids) == {favoured}
+        assert biased.stats.accepted == biased.stats.drafted > 0
+    assert all(favoured not in output.token_ids[:4] for output in outputs[1::2])
+
+
+@pytest.mark.parametrize("pair", sorted(TRAINED), ids=["+".join(p) for p in sorted(TRAINED)])
 def test_the_shipped_drafts_are_trained(llms, pair):
     """An untrained head is accepted about 0 times per step; the shipped ones most of the time."""
     outputs = generate(llms(*pair), 8, False)

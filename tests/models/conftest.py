@@ -133,3 +133,25 @@ class ForcedTokens:
         """The draft proposed the forced tokens, and told the constraint each one in order."""
         assert proposal.tokens.tolist() == self.forced
         assert self.seen == [list(column) for column in zip(*self.forced)]
+
+
+class FavouredTokens:
+    """A :class:`~tandem.models.base.LogitAdjuster` adding +1000 to one token per row and position.
+
+    ``favoured [B, k]``; records the proposals so far it was called with.
+    """
+
+    def __init__(self, favoured: list[list[int]]):
+        self.favoured, self.calls = favoured, []
+
+    def __call__(self, logits: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
+        self.calls.append(proposed.tolist())
+        bonus = torch.zeros_like(logits)
+        bonus[torch.arange(len(logits)), [row[proposed.shape[1]] for row in self.favoured]] = 1000.0
+        return logits + bonus
+
+    def check(self, proposal) -> None:
+        """The draft proposed the favoured tokens, and showed each call the proposals before it."""
+        tokens = proposal.tokens.tolist()
+        assert tokens == self.favoured
+        assert self.calls == [[row[:i] for row in tokens] for i in range(len(tokens[0]))]

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from tandem.models import CheckpointError, DraftInput, ForwardBatch, load_draft, load_target
 from tandem.models.eagle3 import Eagle3
-from tests.models.conftest import ForcedTokens
+from tests.models.conftest import FavouredTokens, ForcedTokens
 
 HEADS, KV_HEADS, THETA, DRAFT_VOCAB = 4, 2, 10000.0, 128  # no rope_theta in the config: 10000
 
@@ -171,3 +171,21 @@ def test_a_constraint_confines_each_proposal_to_allowed_draft_vocab_ids(tmp_path
     batch = ForwardBatch.from_rows(tokens[:, 1:].tolist(), [1, 1], [0, 1])
     hidden = torch.cat([aux[:5], aux[6:11]])
     constraint.check(draft.propose(DraftInput(batch, hidden, None, constraint), draft.new_cache(2, 16), 3))
+
+
+def test_adjusted_logits_steer_each_proposal_within_the_draft_vocab(tmp_path, target):
+    """Penalties and biases apply over the target vocabulary; ids the draft vocabulary lacks stay unproposable."""
+    w = write_eagle3(tmp_path)
+    draft = load_draft(tmp_path, target)
+    kept = (w["d2t"] + torch.arange(DRAFT_VOCAB)).tolist()
+    missing = next(t for t in range(512) if t not in kept)
+    tokens = torch.randint(512, (2, 6), generator=torch.Generator().manual_seed(4))
+    aux = target.forward(ForwardBatch.from_rows(tokens.tolist(), [0, 0], [0, 1]), target.new_cache(2, 16),
+                         return_aux=True).aux_hidden
+    batch = ForwardBatch.from_rows(tokens[:, 1:].tolist(), [1, 1], [0, 1])
+    hidden = torch.cat([aux[:5], aux[6:11]])
+    favoured = FavouredTokens([[kept[5], kept[17], kept[3]], [kept[1], kept[90], kept[0]]])
+    favoured.check(draft.propose(DraftInput(batch, hidden, None, adjust=favoured), draft.new_cache(2, 16), 3))
+    unreachable = FavouredTokens([[missing] * 3, [missing] * 3])
+    proposal = draft.propose(DraftInput(batch, hidden, None, adjust=unreachable), draft.new_cache(2, 16), 3)
+    assert missing not in proposal.tokens.flatten().tolist()
