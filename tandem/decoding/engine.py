@@ -347,9 +347,7 @@ class Engine:
             return
         index = {id(r): b for b, r in enumerate(rows)}
         hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
-        offsets = [0]
-        for n in batch.spans.lengths:
-            offsets.append(offsets[-1] + n)
+        offsets = batch.spans.offsets()
         ids, starts, lengths, hidden_rows, histories = [], [], [], [], []
         for r in live:
             b = index[id(r)]

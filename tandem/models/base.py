@@ -34,6 +34,7 @@ Changes to this contract are listed here:
 from __future__ import annotations
 
 import array
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,10 @@ class RowSpans:
         """One past each row's last position."""
         return [s + n for s, n in zip(self.starts, self.lengths)]
 
+    def offsets(self) -> list[int]:
+        """``[B+1]``: row b owns tokens ``offsets[b]:offsets[b+1]`` of the concatenated batch."""
+        return list(itertools.accumulate(self.lengths, initial=0))
+
 
 @dataclass
 class ForwardBatch:
@@ -94,14 +99,11 @@ class ForwardBatch:
         if sum(spans.lengths) != len(input_ids):
             raise ValueError(f"{len(input_ids)} input ids for rows of lengths {spans.lengths}")
         device = input_ids.device
-        offsets = [0]
-        for n in spans.lengths:
-            offsets.append(offsets[-1] + n)
         positions = [s + i for s, n in zip(spans.starts, spans.lengths) for i in range(n)]
         return cls(
             input_ids=input_ids,
             positions=int64_tensor(positions, device),
-            row_offsets=int64_tensor(offsets, device),
+            row_offsets=int64_tensor(spans.offsets(), device),
             slots=int64_tensor(spans.slots, device),
             spans=spans,
             logits_indices=logits_indices,
@@ -131,8 +133,11 @@ class ForwardBatch:
 
         Positions are derived on the device, so chaining never waits for the device."""
         spans = RowSpans(self.spans.ends(), [1] * self.num_rows, self.spans.slots)
-        last_positions = self.positions if self.num_tokens == self.num_rows else self.positions[self.last_token_indices()]
-        offsets = torch.arange(self.num_rows + 1, device=self.positions.device)
+        if self.num_tokens == self.num_rows:  # one token per row already: the same offsets, arange(B + 1)
+            last_positions, offsets = self.positions, self.row_offsets
+        else:
+            last_positions = self.positions[self.last_token_indices()]
+            offsets = torch.arange(self.num_rows + 1, device=self.positions.device)
         return ForwardBatch(input_ids, last_positions + 1, offsets, self.slots, spans)
 
     def last_token_indices(self) -> Tensor:

@@ -1,5 +1,7 @@
 """The provider contract's helpers: host-to-tensor copies, ragged batches and their host spans, cache checks."""
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given
@@ -36,6 +38,7 @@ def test_a_batch_keeps_its_device_tensors_and_host_spans_in_step(rows):
     assert batch.spans == RowSpans(starts, [len(r) for r in tokens], slots)
     assert batch.input_ids.tolist() == [t for r in tokens for t in r]
     assert batch.positions.tolist() == [s + i for r, s in zip(tokens, starts) for i in range(len(r))]
+    assert batch.row_offsets.tolist() == batch.spans.offsets() == [0, *itertools.accumulate(len(r) for r in tokens)]
     assert batch.row_offsets.diff().tolist() == batch.spans.lengths and batch.slots.tolist() == slots
     assert batch.token_rows().tolist() == [b for b, r in enumerate(tokens) for _ in r]
 
@@ -43,7 +46,9 @@ def test_a_batch_keeps_its_device_tensors_and_host_spans_in_step(rows):
     ends = batch.spans.ends()
     assert following.spans == RowSpans(ends, [1] * len(rows), slots)
     assert following.positions.tolist() == ends and following.input_ids.tolist() == list(range(len(rows)))
-    assert following.following(following.input_ids).positions.tolist() == [e + 1 for e in ends]
+    chained = following.following(following.input_ids)
+    assert chained.positions.tolist() == [e + 1 for e in ends]
+    assert following.row_offsets.tolist() == chained.row_offsets.tolist() == list(range(len(rows) + 1))
 
 
 def test_a_batch_rejects_spans_that_do_not_fit_its_tokens():
