@@ -79,6 +79,12 @@ class AcceptanceResult:
         """[B] int64: tokens to commit per row (accepted drafts + the emitted token, if any)."""
         return self.num_accepted + (~self.dead_end).long()
 
+    def to_host(self) -> list[tuple[list[int], int, bool]]:
+        """Per row ``(emitted tokens, drafts accepted, dead end)`` as Python values: one read of the device."""
+        columns = torch.cat([self.num_accepted[:, None], self.dead_end[:, None].long(), self.tokens], dim=1)
+        return [(tokens[: accepted + (not dead_end)], accepted, bool(dead_end))
+                for accepted, dead_end, *tokens in columns.tolist()]
+
 
 def accept(
     target_logits: torch.Tensor,

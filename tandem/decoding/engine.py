@@ -19,10 +19,14 @@ One `step()` runs, for every running row (DESIGN.md, "The speculative step"):
 Cache invariant: a row's target KV cache holds positions 0 .. len(tokens) - 2; its last
 committed token is always fed again as t_last by the next step.
 
-Device reads: a step reads results back from the device twice, by design: at commit (the
-acceptance result) and after propose (the drafts, which the next masks need). Batches carry their rows' spans as
-Python ints and caches keep their lengths on the host, so no forward reads the device back
-(`tests/models/test_host_planning.py` runs the providers on the meta device to hold that).
+Device reads: a step reads results back from the device twice, by design, each one read for
+every row: at commit (the acceptance result) and after propose (the drafts, which the next masks
+need). A grammar row's draft adds one read per drafted position (its matcher runs on the host),
+and `logprobs` one at commit. Batches carry their rows' spans as Python ints and caches keep their
+lengths on the host, so no forward reads the device back (`tests/models/test_host_planning.py`
+runs the providers on the meta device to hold that), and every host-to-device copy goes through
+pinned memory without waiting (`tandem.transfer`; `tests/engine/test_device_reads.py` counts the
+reads of a step on CUDA).
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from tandem.grammars.overlap import MaskHandle, MaskPipeline
 from tandem.grammars.spec import GrammarSpec
 from tandem.grammars.tokenizer import GrammarTokenizer
 from tandem.grammars.thinking import ThinkingMarkers, ThinkingTracker
-from tandem.models.base import DraftInput, ForwardBatch, RowSpans, int64_tensor
+from tandem.models.base import DraftInput, ForwardBatch, RowSpans
+from tandem.transfer import int64_tensor, to_device
 
 
 class PromptTooLongError(ValueError):
@@ -192,7 +197,7 @@ class Engine:
                                   return_hidden=want_hidden and self.draft.hidden_kind == "last",
                                   return_aux=want_hidden and self.draft.hidden_kind == "aux")
         logits = out.logits.view(len(rows), k + 1, -1)
-        drafts = drafts.to(logits.device, non_blocking=True)
+        drafts = to_device(drafts, logits.device)
         scores = self._adjusted(rows, logits, drafts)
         bitmask, in_thinking = self._wait_masks(masks)
         sampling = self._sampling(rows, logits.device)
@@ -309,13 +314,9 @@ class Engine:
     def _commit(self, rows: list[_Request], result: AcceptanceResult, logits: torch.Tensor) -> list[StreamDelta]:
         """Append each row's emitted tokens (logits [B, k+1, V]: the positions that emitted them)."""
         deltas = []
-        emitted_counts = result.num_emitted.tolist()
-        accepted_counts = result.num_accepted.tolist()
-        tokens = result.tokens.tolist()
-        dead_ends = result.dead_end.tolist()
-        for b, r in enumerate(rows):
+        for b, (r, (emitted_all, num_accepted, dead_end)) in enumerate(zip(rows, result.to_host())):
             remaining = r.params.max_tokens - r.num_generated
-            emitted = tokens[b][: emitted_counts[b]][:remaining]
+            emitted = emitted_all[:remaining]
             consumed = r.text.add(emitted)
             emitted = emitted[:consumed]
             self.masker.commit(r.request_id, emitted)
@@ -323,13 +324,13 @@ class Engine:
             stats = r.output.stats
             stats.steps += 1
             stats.drafted += len(r.drafts)
-            stats.accepted += min(accepted_counts[b], len(emitted))
+            stats.accepted += min(num_accepted, len(emitted))
             r.drafts, r.draft_probs, r.walked_masks = [], None, None
             self.target_cache.truncate([r.slot], [len(r.tokens) - 1])
             reason = None
             if r.text.stopped_by is not None or self.masker.is_terminated(r.request_id):
                 reason = "stop"
-            elif dead_ends[b] and consumed == len(tokens[b][: emitted_counts[b]]):
+            elif dead_end and consumed == len(emitted_all):
                 reason = "grammar_dead_end"
             elif r.num_generated >= r.params.max_tokens or len(r.tokens) + self.k + 1 > self.config.max_model_len:
                 reason = "length"
@@ -376,9 +377,10 @@ class Engine:
         finally:
             if walk is not None:
                 walk.finish()
+        proposed = proposal.tokens.tolist()  # one read of the device for every row
         for b, r in enumerate(live):
             budget = min(r.params.max_tokens - r.num_generated - 1, self.config.max_model_len - len(r.tokens) - 1, self.k)
-            drafts = proposal.tokens[b, : max(budget, 0)].tolist()
+            drafts = proposed[b][: max(budget, 0)]
             if PLACEHOLDER_TOKEN_ID in drafts:  # a draft with fewer proposals (n-gram miss)
                 drafts = drafts[: drafts.index(PLACEHOLDER_TOKEN_ID)]
             r.drafts = drafts

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.decoding.sampling import sorted_candidates
+from tandem.transfer import int64_tensor
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class TokenLogprob:
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
     """logits [n, V] (any float dtype) of the positions that emitted token_ids [n]; num_top >= 0."""
     log_probs = logits.float().log_softmax(dim=-1)
-    chosen = log_probs.gather(-1, torch.tensor(token_ids, device=logits.device).unsqueeze(-1)).squeeze(-1).tolist()
+    chosen = log_probs.gather(-1, int64_tensor(token_ids, logits.device).unsqueeze(-1)).squeeze(-1).tolist()
     if num_top == 0:
         return [TokenLogprob(token, logprob, []) for token, logprob in zip(token_ids, chosen)]
     values, ids = sorted_candidates(log_probs, min(num_top, log_probs.shape[-1]))

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.transfer import to_device
+
 MAX_LOGPROBS = 20  # SamplingParams.logprobs at most: alternatives per token, as OpenAI's top_logprobs allows
 
 _FIELDS = {  # name -> dtype every SamplingTensors field must have
@@ -126,8 +128,8 @@ class SamplingTensors:
         return self.temperature.device
 
     def to(self, device: torch.device | str) -> SamplingTensors:
-        """The same settings on `device`."""
-        return self._map(lambda value: value.to(device, non_blocking=True))
+        """The same settings on `device` (from the CPU without waiting for the device: :func:`to_device`)."""
+        return self._map(lambda value: to_device(value, device))
 
     def repeat_rows(self, repeats: int) -> SamplingTensors:
         """Each row repeated `repeats` times, [B] -> [B * repeats]: one entry per draft position."""

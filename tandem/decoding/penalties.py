@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.decoding.params import SamplingParams
-from tandem.models.base import int64_tensor
+from tandem.transfer import int64_tensor, to_device
 
 
 @dataclass(frozen=True)
@@ -57,15 +57,18 @@ class LogitAdjustments:
         adjusted = [b for b, p in enumerate(params) if p.adjusts_logits]  # the other rows stay zero: never read
 
         def dense(entries: dict[int, tuple[list[int], list[float] | None]]) -> torch.Tensor:
-            """[B, V] float32: for row b -> (token ids, values or None = ones), each token's sum of values."""
-            table = torch.zeros(len(params), vocab_size)
-            for b, (tokens, values) in entries.items():
-                weights = torch.ones(len(tokens)) if values is None else torch.tensor(values, dtype=torch.float32)
-                table[b].index_put_((int64_tensor(tokens),), weights, accumulate=True)
-            return table.to(device)
+            """[B, V] float32: for row b -> (token ids, values or None = ones), each token's sum of values.
+
+            Summed on the device from the ids: the host sends the tokens, never a [B, V] table."""
+            rows = [b for b, (tokens, _) in entries.items() for _ in tokens]
+            tokens = [t for tokens, _ in entries.values() for t in tokens]
+            values = [v for tokens, vals in entries.values() for v in (vals or [1.0] * len(tokens))]
+            table = torch.zeros(len(params), vocab_size, device=device)
+            index = (int64_tensor(rows, device), int64_tensor(tokens, device))
+            return table.index_put_(index, to_device(torch.tensor(values, dtype=torch.float32), device), accumulate=True)
 
         def per_row(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=device)
+            return to_device(torch.tensor([getattr(p, name) for p in params], dtype=torch.float32), device)
 
         biases = {b: (list(params[b].logit_bias), list(params[b].logit_bias.values()))
                   for b in adjusted if params[b].logit_bias}

@@ -20,6 +20,7 @@ from typing import Hashable, Protocol, Sequence
 import torch
 
 from tandem.grammars.masks import SpeculativeMasker
+from tandem.transfer import to_device
 
 
 class CopyTicket(Protocol):
@@ -85,7 +86,7 @@ class MaskHandle:
     def ready(cls, bitmask: torch.Tensor, in_thinking: torch.Tensor, device: torch.device) -> "MaskHandle":
         """A handle to masks built already (bitmask [B, k+1, W] int32, in_thinking [B, k+1] bool, CPU)."""
         future = Future()
-        future.set_result((bitmask.to(device), in_thinking.to(device), (bitmask == 0).all(-1), None))
+        future.set_result((to_device(bitmask, device), to_device(in_thinking, device), (bitmask == 0).all(-1), None))
         return cls(future)
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

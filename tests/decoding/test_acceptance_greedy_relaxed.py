@@ -47,6 +47,16 @@ def test_greedy_equals_reference_ties_and_dead_ends_included(case):
 
 @given(greedy_batch())
 @settings(max_examples=100)
+def test_to_host_gives_each_rows_emitted_tokens_acceptance_and_dead_end(case):
+    logits, drafts, allowed = case
+    result = accept(logits, drafts, bitmask=_bitmask(allowed))
+    emitted = [row[:n] for row, n in zip(result.tokens.tolist(), result.num_emitted.tolist())]
+    assert result.to_host() == list(zip(emitted, result.num_accepted.tolist(), result.dead_end.tolist()))
+    assert all(-1 not in tokens for tokens, _, _ in result.to_host())
+
+
+@given(greedy_batch())
+@settings(max_examples=100)
 def test_greedy_fast_path_equals_greedy_rows_of_a_mixed_batch(case):
     logits, drafts, allowed = case
     batch = logits.shape[0]
