@@ -18,6 +18,7 @@ propose is what the penalised target would pick.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -56,30 +57,31 @@ class LogitAdjustments:
         """The adjustments of a batch (per row: its params, prompt and committed output ids, each < V)."""
         adjusted = [b for b, p in enumerate(params) if p.adjusts_logits]  # the other rows stay zero: never read
 
-        def dense(entries: dict[int, tuple[list[int], list[float] | None]]) -> torch.Tensor:
-            """[B, V] float32: for row b -> (token ids, values or None = ones), each token's sum of values.
+        def dense(tokens: dict[int, list[int]], values: dict[int, list[float]] | None = None) -> torch.Tensor:
+            """[B, V] float32: for row b, the sum over ``tokens[b]`` of ``values[b]`` (None: ones) at each id.
 
             Summed on the device from the ids: the host sends the tokens, never a [B, V] table."""
-            rows = [b for b, (tokens, _) in entries.items() for _ in tokens]
-            tokens = [t for tokens, _ in entries.values() for t in tokens]
-            values = [v for tokens, vals in entries.values() for v in (vals or [1.0] * len(tokens))]
+            ids = list(itertools.chain.from_iterable(tokens.values()))
+            lengths = int64_tensor([len(row) for row in tokens.values()], device)
+            rows = int64_tensor(list(tokens), device).repeat_interleave(lengths, output_size=len(ids))
+            weights = torch.ones(len(ids), device=device) if values is None else to_device(
+                torch.tensor(list(itertools.chain.from_iterable(values.values())), dtype=torch.float32), device)
             table = torch.zeros(len(params), vocab_size, device=device)
-            index = (int64_tensor(rows, device), int64_tensor(tokens, device))
-            return table.index_put_(index, to_device(torch.tensor(values, dtype=torch.float32), device), accumulate=True)
+            return table.index_put_((rows, int64_tensor(ids, device)), weights, accumulate=True)
 
         def per_row(name: str) -> torch.Tensor:
             return to_device(torch.tensor([getattr(p, name) for p in params], dtype=torch.float32), device)
 
-        biases = {b: (list(params[b].logit_bias), list(params[b].logit_bias.values()))
-                  for b in adjusted if params[b].logit_bias}
+        biases = {b: params[b].logit_bias for b in adjusted if params[b].logit_bias}
         # Only the repetition penalty reads the prompt: with r = 1 being seen changes nothing.
-        repeating = {b: (prompts[b], None) for b in adjusted if params[b].repetition_penalty != 1}
+        repeating = {b: prompts[b] for b in adjusted if params[b].repetition_penalty != 1}
         return cls(
             presence=per_row("presence_penalty"), frequency=per_row("frequency_penalty"),
             repetition=per_row("repetition_penalty"),
-            output_counts=dense({b: (outputs[b], None) for b in adjusted}),
+            output_counts=dense({b: outputs[b] for b in adjusted}),
             prompt_seen=dense(repeating) > 0 if repeating else None,
-            bias=dense(biases) if biases else None,
+            bias=dense({b: list(bias) for b, bias in biases.items()},
+                       {b: list(bias.values()) for b, bias in biases.items()}) if biases else None,
         )
 
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
