@@ -17,6 +17,7 @@ from torch import Tensor
 
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
 from tandem.models.base import DraftInput, DraftProposal, KVCache
+from tandem.transfer import to_device
 
 
 def lookup(history: Tensor, num_tokens: int, min_ngram: int, max_ngram: int) -> Tensor:
@@ -54,7 +55,7 @@ class NgramDraft:
             raise ValueError("the n-gram draft needs DraftInput.history (every row's committed token ids)")
         rows = [lookup(h, num_tokens, self.min_ngram, self.max_ngram) for h in inp.history]
         tokens = torch.stack(rows) if rows else torch.empty(0, num_tokens, dtype=torch.int64)
-        return DraftProposal(tokens=tokens.to(inp.batch.input_ids.device), probs=None)
+        return DraftProposal(tokens=to_device(tokens, inp.batch.input_ids.device), probs=None)
 
 
 def build(config: dict[str, Any], weights: None, *, dtype: torch.dtype, device: torch.device, target=None) -> NgramDraft:
