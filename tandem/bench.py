@@ -4,9 +4,15 @@ For each shipped demo model: tokens/s of the plain path and of every available d
 mean accepted length, with and without the task's JSON schema, relaxed acceptance on and off,
 batch 1 and 8; and `transformers`' own `generate` on the same weights (plain, and with prompt
 lookup, its n-gram speculation). Prompts are held-out demo-corpus chats. Greedy throughout, so
-every speculative run must reproduce the plain run's tokens (checked, reported as `exact`).
-Each measurement is the fastest of `--repeats` runs (timeit's rule: slower runs measure the
-machine's other load, not the code), and the runs of all measurements are interleaved in rounds. One JSON object on the last line of stdout.
+every speculative run must reproduce the plain run's tokens (checked in every round, reported as
+`exact`).
+
+The machine's speed drifts by tens of percent over seconds, so the cases are interleaved finely:
+each of `--repeats` rounds runs every case on the first prompt group, then every case on the
+second, and so on. A case's tokens/s is its fastest round (timeit's rule: slower rounds measure
+the machine's other load, not the code); a ratio is the median over rounds of the ratio within a
+round, where both sides saw the same stretch of machine, and `ratio_range` gives its spread. One
+JSON object on the last line of stdout.
 """
 
 from __future__ import annotations
@@ -14,12 +20,15 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
+
+Run = Callable[[list[int], int], dict]  # (prompt indices, max_tokens) -> {"seconds", "generated", ...}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: the demo models are too small to gain from more)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the fastest counts")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every measurement")
     parser.add_argument("--json", action="store_true", help="only the JSON line")
 
 
@@ -59,7 +68,9 @@ def _bench_model(model: str, args: argparse.Namespace) -> dict:
     examples = generate_examples(args.prompts, seed=1, split="heldout")
     tokenizer = load_tokenizer(path)
     prompts = [chat_prompt_ids(tokenizer, ex.messages, ex.tools) for ex in examples]  # the same ids for every run
-    cases: dict[tuple, Callable[[int], dict]] = {}  # (draft, k, relaxed, schema, batch) -> run(max_tokens)
+    groups = {batch: [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
+              for batch in args.batch}
+    cases: dict[tuple, tuple[Run, list[list[int]]]] = {}  # (draft, k, relaxed, schema, batch) -> (run, groups)
     for draft in [None, *available_drafts(path)]:
         for k in args.k if draft else [0]:
             for relaxed in ([None, RelaxedAcceptance()] if draft else [None]):
@@ -67,65 +78,79 @@ def _bench_model(model: str, args: argparse.Namespace) -> dict:
                 for constrained in (False, True):
                     schemas = [TASK_FAMILIES[ex.family].schema if constrained else None for ex in examples]
                     for batch in args.batch:
-                        cases[draft or "none", k, relaxed is not None, constrained, batch] = functools.partial(
-                            _measure, llm, prompts, schemas, batch)
+                        run = functools.partial(_measure, llm, prompts, schemas)
+                        cases[draft or "none", k, relaxed is not None, constrained, batch] = run, groups[batch]
     for mode, extra in _transformers_modes(args):
-        cases["transformers", mode] = functools.partial(_measure_transformers, path, tokenizer, prompts, extra)
-    best = _fastest_of_rounds(cases, args)
+        run = functools.partial(_measure_transformers, path, tokenizer, prompts, extra)
+        cases["transformers", mode] = run, [[i] for i in range(len(prompts))]
+    rounds = _interleaved_rounds(cases, args)
 
-    plain_tokens = {key[3:]: best[key]["tokens"] for key in best if key[0] == "none"}
+    plain_tokens = {key[3:]: rounds[key][0]["tokens"] for key in rounds if key[0] == "none"}
     results: list[dict] = []
-    for key, row in best.items():
+    for key, runs in rounds.items():
         if key[0] == "transformers":
             continue
         draft, k, relaxed, constrained, batch = key
-        tokens = row.pop("tokens")
-        row["exact"] = relaxed or tokens == plain_tokens[constrained, batch]
+        row = _fastest(runs)
+        row["exact"] = relaxed or all(run["tokens"] == plain_tokens[constrained, batch] for run in runs)
         row.update(draft=draft, k=k, relaxed=relaxed, schema=constrained, batch=batch)
         results.append(row)
         _log(args, f"{model:14s} draft={draft:7s} k={k} relaxed={relaxed!s:5s} schema={constrained!s:5s} "
                    f"batch={batch}  {row['tokens_per_s']:8.1f} tok/s  accepted length {row['mean_accepted_length']:.2f}")
-    peers = [{"mode": key[1], **row} for key, row in best.items() if key[0] == "transformers"]
+    peers = [{"mode": key[1], **_fastest(runs)} for key, runs in rounds.items() if key[0] == "transformers"]
     for row in peers:
         _log(args, f"{model:14s} transformers {row['mode']:13s} batch=1  {row['tokens_per_s']:8.1f} tok/s")
-    return {"runs": results, "transformers": peers, "ratios": _ratios(results, peers, max(args.k), min(args.batch))}
+    ratios, ratio_range = _ratios(rounds, max(args.k), min(args.batch))
+    return {"runs": results, "transformers": peers, "ratios": ratios, "ratio_range": ratio_range}
 
 
-def _fastest_of_rounds(cases: dict[tuple, Callable[[int], dict]], args: argparse.Namespace) -> dict[tuple, dict]:
-    """Warm every case up, then run all of them once per round, `repeats` rounds; each case's fastest run.
+def _interleaved_rounds(cases: dict[tuple, tuple[Run, list[list[int]]]], args: argparse.Namespace) -> dict[tuple, list[dict]]:
+    """Warm every case up, then `repeats` rounds; each case's totals per round.
 
-    Rounds interleave the cases, so a stretch of machine load slows all of them alike instead of
-    one case's every run.
+    Within a round the cases take turns prompt group by prompt group, so a stretch of machine load
+    slows every case alike instead of one case's whole run.
     """
-    for run in cases.values():
-        run(4)  # warm-up; compiles (and caches) the schemas
-    best: dict[tuple, dict] = {}
+    for run, groups in cases.values():
+        for group in groups:
+            run(group, 4)  # warm-up; compiles (and caches) the schemas
+    rounds: dict[tuple, list[dict]] = {key: [] for key in cases}
     for _ in range(args.repeats):
-        for key, run in cases.items():
-            row = run(args.max_tokens)
-            if key not in best or row["seconds"] < best[key]["seconds"]:
-                best[key] = row
-    return best
+        totals: dict[tuple, dict] = {key: {} for key in cases}
+        for g in range(max(len(groups) for _, groups in cases.values())):
+            for key, (run, groups) in cases.items():
+                if g < len(groups):
+                    for name, value in run(groups[g], args.max_tokens).items():  # sums (token lists: joined)
+                        totals[key][name] = totals[key][name] + value if name in totals[key] else value
+        for key, total in totals.items():
+            rounds[key].append(total)
+    return rounds
 
 
-def _measure(llm, prompts: list[list[int]], schemas: list, batch: int, max_tokens: int) -> dict:
-    """Generate every prompt in groups of `batch` (one schema per prompt); time and count."""
+def _fastest(runs: list[dict]) -> dict:
+    """The fastest round's figures (tokens/s, and mean accepted length for tandem's own runs)."""
+    run = min(runs, key=lambda r: r["seconds"])
+    row = {"tokens_per_s": round(_rate(run), 2), "generated": run["generated"],
+           "seconds": round(run["seconds"], 3)}
+    if "steps" in run:
+        row["mean_accepted_length"] = round((run["accepted"] + run["steps"]) / max(run["steps"], 1), 3)
+    return row
+
+
+def _rate(run: dict) -> float:
+    return run["generated"] / run["seconds"]
+
+
+def _measure(llm, prompts: list[list[int]], schemas: list, group: list[int], max_tokens: int) -> dict:
+    """Generate the prompts `group` as one batch (one schema per prompt); time and count."""
     engine = llm.engine
-    outputs = []
     start = time.perf_counter()
-    for first in range(0, len(prompts), batch):
-        group = range(first, min(first + batch, len(prompts)))
-        ids = [engine.add_request(prompts[i], SamplingParams(max_tokens=max_tokens, json_schema=schemas[i]))
-               for i in group]
-        while engine.has_unfinished():
-            engine.step()
-        outputs.extend(engine.pop_finished(i) for i in ids)
+    ids = [engine.add_request(prompts[i], SamplingParams(max_tokens=max_tokens, json_schema=schemas[i])) for i in group]
+    while engine.has_unfinished():
+        engine.step()
+    outputs = [engine.pop_finished(i) for i in ids]
     seconds = time.perf_counter() - start
-    generated = sum(len(o.token_ids) for o in outputs)
-    steps = sum(o.stats.steps for o in outputs)
-    accepted = sum(o.stats.accepted for o in outputs)
-    return {"tokens_per_s": round(generated / seconds, 2), "generated": generated, "seconds": round(seconds, 3),
-            "mean_accepted_length": round((accepted + steps) / max(steps, 1), 3),
+    return {"seconds": seconds, "generated": sum(len(o.token_ids) for o in outputs),
+            "steps": sum(o.stats.steps for o in outputs), "accepted": sum(o.stats.accepted for o in outputs),
             "tokens": [o.token_ids for o in outputs]}
 
 
@@ -143,34 +168,34 @@ def _transformers_model(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _measure_transformers(path, tokenizer, prompts: list[list[int]], extra: dict, max_tokens: int) -> dict:
-    """transformers' generate on the same weights and prompts; time and count."""
+def _measure_transformers(path, tokenizer, prompts: list[list[int]], extra: dict, group: list[int],
+                          max_tokens: int) -> dict:
+    """transformers' generate on the same weights, one prompt of `group` at a time; time and count."""
     model = _transformers_model(path)
     generated, start = 0, time.perf_counter()
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
+    for i in group:
+        ids = torch.tensor([prompts[i]])
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **extra)
         generated += out.shape[1] - ids.shape[1]
-    seconds = time.perf_counter() - start
-    return {"tokens_per_s": round(generated / seconds, 2), "generated": generated, "seconds": round(seconds, 3)}
+    return {"seconds": time.perf_counter() - start, "generated": generated}
 
 
-def _ratios(runs: list[dict], peers: list[dict], k: int, batch: int) -> dict:
+def _ratios(rounds: dict[tuple, list[dict]], k: int, batch: int) -> tuple[dict, dict]:
     """The headline ratios, greedy, for the largest k and the smallest batch measured (transformers
-    runs batch 1)."""
-    def rate(**where):
-        rows = [r for r in runs if all(r[key] == value for key, value in where.items())]
-        return max((r["tokens_per_s"] for r in rows), default=None)
+    runs batch 1): each the median over rounds of the within-round ratio of tokens/s; and each
+    one's [min, max] over rounds."""
+    def ratio(numerator: tuple, denominator: tuple) -> list[float]:
+        return sorted(_rate(a) / _rate(b) for a, b in zip(rounds[numerator], rounds[denominator]))
 
-    plain = rate(draft="none", schema=False, batch=batch)
-    ratios = {"tandem_plain_vs_transformers_plain": round(plain / peers[0]["tokens_per_s"], 3)}
-    for draft in sorted({r["draft"] for r in runs} - {"none"}):
-        spec = rate(draft=draft, k=k, relaxed=False, schema=False, batch=batch)
-        spec_schema = rate(draft=draft, k=k, relaxed=False, schema=True, batch=batch)
-        if spec is not None:
-            ratios[f"{draft}_k{k}_vs_plain"] = round(spec / plain, 3)
-        if spec and spec_schema:
-            ratios[f"{draft}_k{k}_schema_vs_unconstrained"] = round(spec_schema / spec, 3)
-    return ratios
+    plain = "none", 0, False, False, batch
+    per_round = {"tandem_plain_vs_transformers_plain": ratio(plain, ("transformers", "plain"))}
+    for draft in sorted({key[0] for key in rounds} - {"none", "transformers"}):
+        spec, spec_schema = (draft, k, False, False, batch), (draft, k, False, True, batch)
+        if spec in rounds:
+            per_round[f"{draft}_k{k}_vs_plain"] = ratio(spec, plain)
+            if spec_schema in rounds:
+                per_round[f"{draft}_k{k}_schema_vs_unconstrained"] = ratio(spec_schema, spec)
+    ratios = {name: round(statistics.median(values), 3) for name, values in per_round.items()}
+    return ratios, {name: [round(values[0], 3), round(values[-1], 3)] for name, values in per_round.items()}

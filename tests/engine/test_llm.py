@@ -106,3 +106,22 @@ def test_cli_bench_compares_the_paths_in_one_json_line(capsys):
     assert all(r["exact"] for r in runs if r["draft"] != "none" and not r["relaxed"])
     ratios = report["models"]["demo-llama"]["ratios"]
     assert {"tandem_plain_vs_transformers_plain", "eagle3_k2_vs_plain", "eagle3_k2_schema_vs_unconstrained"} <= set(ratios)
+    ratio_range = report["models"]["demo-llama"]["ratio_range"]
+    assert ratio_range.keys() == ratios.keys()
+    assert all(low <= ratios[name] <= high for name, (low, high) in ratio_range.items())
+
+
+def test_bench_ratios_are_medians_of_ratios_within_a_round():
+    """The machine slows down between rounds (1x, 2x, 1.5x). Within a round the speculative path
+    is twice as fast as the plain one, except that a burst of load hit its turn in round 1. The
+    median of the within-round ratios says 2.0; the cases' fastest rounds alone would say 1.667."""
+    from tandem.bench import _ratios
+
+    slowdown = [1.0, 2.0, 1.5]
+    plain = [{"generated": 100, "seconds": s} for s in slowdown]
+    spec = [{"generated": 100, "seconds": s / 2 * burst} for s, burst in zip(slowdown, [1.2, 1, 1])]
+    peer = [{"generated": 50, "seconds": s} for s in slowdown]
+    rounds = {("none", 0, False, False, 1): plain, ("eagle", 4, False, False, 1): spec, ("transformers", "plain"): peer}
+    ratios, ratio_range = _ratios(rounds, k=4, batch=1)
+    assert ratios == {"tandem_plain_vs_transformers_plain": 2.0, "eagle_k4_vs_plain": 2.0}
+    assert ratio_range == {"tandem_plain_vs_transformers_plain": [2.0, 2.0], "eagle_k4_vs_plain": [1.667, 2.0]}
