@@ -41,11 +41,11 @@ BF16_MIN_AGREEMENT = 0.99  # greedy teacher-forced agreement bf16 vs fp32 needed
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "demo": {
         "tokenizer": {"num_examples": 20_000, "vocab_size": DEFAULT_VOCAB_SIZE},
-        # 16 narrow layers: a target many times the cost of its one-layer draft, as real pairs are
+        # narrow and deep: a target many times the cost of its one-layer draft, as real pairs are
         "llama": {"hidden_size": 192, "intermediate_size": 576, "num_hidden_layers": 16,
                   "num_attention_heads": 6, "num_key_value_heads": 2},
-        "deepseek": {"hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 128,
-                     "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "deepseek": {"hidden_size": 192, "intermediate_size": 576, "moe_intermediate_size": 96,
+                     "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
                      "q_lora_rank": 128, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
                      "v_head_dim": 32, "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
                      "num_experts_per_tok": 2},

@@ -29,9 +29,11 @@ TRAINED = {("demo-llama", "eagle3"), ("demo-llama", "eagle"), ("demo-deepseek", 
 
 @pytest.fixture(scope="module")
 def random_eagle3(tmp_path_factory):
-    """An EAGLE-3 checkpoint for demo-deepseek (hidden 256, vocab 2048, reduced draft vocab with d2t)."""
+    """An EAGLE-3 checkpoint for demo-deepseek (its hidden size and vocab, reduced draft vocab with d2t)."""
     path = tmp_path_factory.mktemp("eagle3-for-deepseek")
-    write_eagle3(path, hidden=256, inter=384, vocab=2048, draft_vocab=1024, arch="Eagle3DeepseekV2ForCausalLM")
+    config = json.loads((ASSETS_DIR / "demo-deepseek" / "config.json").read_text())
+    write_eagle3(path, hidden=config["hidden_size"], inter=384, vocab=config["vocab_size"], draft_vocab=1024,
+                 arch="Eagle3DeepseekV2ForCausalLM")
     return path
 
 
