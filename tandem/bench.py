@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
+from tandem.models.loading import DTYPES
 
 Run = Callable[[list[int], int], dict]  # (prompt indices, max_tokens) -> {"seconds", "generated", ...}
 
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: the demo models are too small to gain from more)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, ... (auto: cuda when there is one)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="weights' dtype (default: float32 on the CPU, the checkpoint's elsewhere)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every measurement")
     parser.add_argument("--json", action="store_true", help="only the JSON line")
 
@@ -46,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    report = {"benchmark": "tandem bench", "threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
+    report = {"benchmark": "tandem bench", "device": args.device, "threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
               "prompts": args.prompts, "repeats": args.repeats, "models": {}}
     for model in args.models:
         report["models"][model] = _bench_model(model, args)
@@ -74,14 +78,15 @@ def _bench_model(model: str, args: argparse.Namespace) -> dict:
     for draft in [None, *available_drafts(path)]:
         for k in args.k if draft else [0]:
             for relaxed in ([None, RelaxedAcceptance()] if draft else [None]):
-                llm = LLM(model, draft, num_speculative_tokens=max(k, 1), relaxed=relaxed, max_num_seqs=max(args.batch))
+                llm = LLM(model, draft, num_speculative_tokens=max(k, 1), relaxed=relaxed, max_num_seqs=max(args.batch),
+                          device=args.device, dtype=DTYPES.get(args.dtype))
                 for constrained in (False, True):
                     schemas = [TASK_FAMILIES[ex.family].schema if constrained else None for ex in examples]
                     for batch in args.batch:
-                        run = functools.partial(_measure, llm, prompts, schemas)
+                        run = functools.partial(measure, llm, prompts, schemas)
                         cases[draft or "none", k, relaxed is not None, constrained, batch] = run, groups[batch]
     for mode, extra in _transformers_modes(args):
-        run = functools.partial(_measure_transformers, path, tokenizer, prompts, extra)
+        run = functools.partial(_measure_transformers, path, next(llm.target.parameters()), tokenizer, prompts, extra)
         cases["transformers", mode] = run, [[i] for i in range(len(prompts))]
     rounds = _interleaved_rounds(cases, args)
 
@@ -140,7 +145,7 @@ def _rate(run: dict) -> float:
     return run["generated"] / run["seconds"]
 
 
-def _measure(llm, prompts: list[list[int]], schemas: list, group: list[int], max_tokens: int) -> dict:
+def measure(llm, prompts: list[list[int]], schemas: list, group: list[int], max_tokens: int) -> dict:
     """Generate the prompts `group` as one batch (one schema per prompt); time and count."""
     engine = llm.engine
     start = time.perf_counter()
@@ -160,25 +165,26 @@ def _transformers_modes(args: argparse.Namespace) -> list[tuple[str, dict]]:
 
 
 @functools.cache
-def _transformers_model(path):
+def _transformers_model(path, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # its load report lists the MTP layer it does not use
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-def _measure_transformers(path, tokenizer, prompts: list[list[int]], extra: dict, group: list[int],
+def _measure_transformers(path, like: torch.Tensor, tokenizer, prompts: list[list[int]], extra: dict, group: list[int],
                           max_tokens: int) -> dict:
-    """transformers' generate on the same weights, one prompt of `group` at a time; time and count."""
-    model = _transformers_model(path)
+    """transformers' generate on the same weights, on the device and in the dtype of tensor `like`
+    (a tandem weight), one prompt of `group` at a time; time and count."""
+    model = _transformers_model(path, like.device, like.dtype)
     generated, start = 0, time.perf_counter()
     for i in group:
-        ids = torch.tensor([prompts[i]])
+        ids = torch.tensor([prompts[i]], device=like.device)
         with torch.inference_mode():
             out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **extra)
-        generated += out.shape[1] - ids.shape[1]
+        generated += len(out[0].tolist()) - ids.shape[1]  # tolist: the device has finished
     return {"seconds": time.perf_counter() - start, "generated": generated}
 
 

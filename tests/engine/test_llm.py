@@ -4,10 +4,12 @@ import json
 
 import jsonschema
 import pytest
+import torch
 from pydantic import BaseModel
 
 from tandem import LLM, RelaxedAcceptance, SamplingParams, cli
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
+from tandem.llm import resolve_model
 
 EXAMPLES = generate_examples(4, seed=21, split="heldout")
 
@@ -98,9 +100,10 @@ def test_cli_generate_runs_the_demo_model_with_its_best_draft_and_a_schema(tmp_p
 
 def test_cli_bench_compares_the_paths_in_one_json_line(capsys):
     argv = ["bench", "--json", "--models", "demo-llama", "--prompts", "2", "--max-tokens", "8", "--k", "2",
-            "--batch", "2"]
+            "--batch", "2", "--device", "cpu", "--dtype", "float32"]
     assert cli.main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["device"] == "cpu"
     runs = report["models"]["demo-llama"]["runs"]
     assert {r["draft"] for r in runs} == {"none", "eagle3", "eagle", "ngram"}
     assert all(r["exact"] for r in runs if r["draft"] != "none" and not r["relaxed"])
@@ -109,6 +112,13 @@ def test_cli_bench_compares_the_paths_in_one_json_line(capsys):
     ratio_range = report["models"]["demo-llama"]["ratio_range"]
     assert ratio_range.keys() == ratios.keys()
     assert all(low <= ratios[name] <= high for name, (low, high) in ratio_range.items())
+
+
+def test_bench_runs_the_transformers_peer_on_tandems_device_and_dtype():
+    from tandem.bench import _transformers_model
+
+    model = _transformers_model(resolve_model("demo-llama"), torch.device("cpu"), torch.bfloat16)
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cpu", torch.bfloat16)}
 
 
 def test_bench_ratios_are_medians_of_ratios_within_a_round():
