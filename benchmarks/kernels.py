@@ -7,10 +7,15 @@ bitmask kernel + the torch acceptance. Prints one JSON document.
 Modes: greedy (no grammar), stochastic (temperature 1, no grammar), masked (stochastic under a
 grammar bitmask: the figure the issue targets, < 100 us for B = 64 on an H100). Drafts are
 deterministic (one-hot q, as from EAGLE/MTP) and the target gives each p ~ 0.9, so stochastic rows
-accept ~3 of 4 drafts like a well-trained draft (greedy rows all 4); `mean_accepted` reports what each case did. The
-Triton path under TRITON_INTERPRET is not a meaningful timing and runs only with --interpret.
-Each case also reports whether the Triton kernel agreed with the torch path: equal tokens
-(greedy) or equal accepted counts (stochastic: both paths test drafts with the same uniforms).
+accept ~3 of 4 drafts like a well-trained draft (greedy rows all 4); `mean_accepted` reports what
+each case did. The Triton path under TRITON_INTERPRET is not a meaningful timing and runs only
+with --interpret.
+
+On CUDA each case reports `us_per_call` (event-timed calls in a row: the device's time plus any
+gap where it waits for the host to launch the next kernel) and `us_graph` (the same call replayed
+from a CUDA graph: the device's time alone). Each case also reports whether the Triton kernel
+agreed with the torch path: equal tokens (greedy) or equal accepted counts (stochastic: both paths
+test drafts with the same uniforms).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ def make_case(mode: str, batch: int, k: int, vocab_size: int, device: str, seed:
 def backend_call(backend: str, case: dict) -> Callable[[], object]:
     """A no-argument function running one acceptance step with `backend`."""
     if backend == "torch":
-        return lambda: accept(**case)
+        return lambda: accept(**case, backend="torch")
     if backend == "triton":
         from tandem.kernels import accept_triton  # after TRITON_INTERPRET is settled
 
@@ -67,7 +72,7 @@ def backend_call(backend: str, case: dict) -> Callable[[], object]:
 
     def step():
         apply_token_bitmask_inplace(rows, words)  # idempotent, so repeating it on the same logits is fair
-        return accept(**unmasked)
+        return accept(**unmasked, backend="torch")
 
     return step
 
@@ -87,11 +92,22 @@ def time_call(fn: Callable[[], object], iters: int) -> float:
     return statistics.median(samples)
 
 
+def graph_time(fn: Callable[[], object]) -> float | None:
+    """Median microseconds per call replayed from a CUDA graph: the device's time alone, without
+    the host's launch overhead (None where the call cannot be captured, e.g. it reads the device)."""
+    import triton.testing
+
+    try:
+        return round(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1000, 1)
+    except RuntimeError:
+        return None
+
+
 def agreement(mode: str, case: dict) -> float:
     """Fraction of rows where the Triton kernel matches the torch path (tokens if greedy, else accepted counts)."""
     from tandem.kernels import accept_triton  # after TRITON_INTERPRET is settled
 
-    torch_result, triton_result = accept(**case), accept_triton(**case)
+    torch_result, triton_result = accept(**case, backend="torch"), accept_triton(**case)
     if mode == "greedy":
         return (torch_result.tokens == triton_result.tokens).all(dim=-1).float().mean().item()
     return (torch_result.num_accepted == triton_result.num_accepted).float().mean().item()
@@ -105,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--iters", type=int, default=None, help="timed calls per case (default: 50 on CUDA, 3 on CPU)")
     parser.add_argument("--interpret", action="store_true", help="also run Triton on the CPU (TRITON_INTERPRET=1)")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--block", type=int, default=None, help="vocabulary tokens per Triton program (default: the kernel's)")
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -112,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before tandem.kernels is imported
     device = "cuda" if cuda else "cpu"
     iters = args.iters or (50 if cuda else 3)
-    backends = [b for b in BACKENDS if b != "triton" or cuda or args.interpret]
+    backends = [b for b in args.backends if b != "triton" or cuda or args.interpret]
+    if args.block and "triton" in backends:
+        from tandem.kernels import acceptance as kernel_module  # after TRITON_INTERPRET is settled
+
+        kernel_module.MAX_BLOCK = args.block
     results = []
     for mode in args.modes:
         for batch in args.batch_sizes:
@@ -125,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                        "us_per_call": round(time_call(backend_call(backend, case), calls), 1)}
                 if backend == "triton":
                     row["agrees_with_torch"] = agreement(mode, case)
+                if cuda:
+                    row["us_graph"] = graph_time(backend_call(backend, case))
                 if backend == "torch":
-                    row["mean_accepted"] = accept(**case).num_accepted.float().mean().item()
+                    row["mean_accepted"] = accept(**case, backend="torch").num_accepted.float().mean().item()
                 results.append(row)
                 print(json.dumps(row), file=sys.stderr)
     report = {
@@ -135,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "k": args.k,
         "vocab_size": args.vocab,
         "dtype": "float32",
+        "block": args.block,
         "note": None if cuda else "CPU: Triton runs under the interpreter only with --interpret; not a timing",
         "results": results,
     }

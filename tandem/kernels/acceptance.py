@@ -1,16 +1,27 @@
-"""`accept` as one fused Triton kernel: same contract as `tandem.decoding.accept` (the rules are
+"""`accept` as fused Triton kernels: same contract as `tandem.decoding.accept` (the rules are
 stated once, in tandem/decoding/acceptance.py; this module only says how it computes them).
 
-One program per row walks the row's positions in order and stops at the first rejection, so a
-row that rejects draft n reads only positions 0..n. Each visited position costs one pass over V
-that fuses the bitmask unpack, temperature, the online softmax (running max and rescaled sum),
-the masked argmax (lowest id among ties) and, for the relaxed rule, the draft's rank; the
-emitted token of a stochastic row costs one more pass, an exponential race (Gumbel-max:
-argmax_i log w_i - log E_i, E_i ~ Exp(1)) over the residual w = max(p - q, 0), which needs no
-normalisation pass. Greedy rows emit the argmax the last pass already found.
+Every pass over V is split into chunks of BLOCK tokens, one program each, so a call fills the GPU
+at batch 1 as well as at 256 (one program per row walking V serially is latency-bound: 170 us
+for a single greedy row on an H100). A call launches, in order:
 
-What the kernel computes itself: masks, dead ends, greedy, temperature, min-p (one extra max
-pass per visited position of a min-p row), draft probabilities, relaxed acceptance, padding.
+1. `_chunk_stats_kernel`, grid (chunks, k+1, rows): every position of every row, before any
+   acceptance is known, in one pass over its chunk that fuses the bitmask unpack, temperature,
+   min-p, the chunk's max and argmax (lowest id among ties), its softmax sum relative to its own
+   max and, for the relaxed rule, the count of tokens ranked before the draft. Reading positions
+   past the first rejection costs bytes, but no pass waits for another.
+2. `_walk_kernel`, one program per row: combines each position's chunks (rescaling the sums to
+   the position's max), walks positions to the first rejection and writes the row's result;
+   greedy rows emit the argmax the combine found.
+3. Stochastic rows only: `_race_kernel`, grid (chunks, rows), one more pass over the stopping
+   position for an exponential race (argmax_i w_i / E_i with E_i ~ Exp(1) picks i with
+   probability w_i / sum(w): the Gumbel-max trick without its logarithms) over the residual
+   w = max(p - q, 0), which needs no normalisation pass; `_race_finish_kernel`
+   picks each row's winner among its chunks.
+Rows with min-p need a position's max before its sum: `_chunk_max_kernel` runs first for them.
+
+What the kernels compute themselves: masks, dead ends, greedy, temperature, min-p, draft
+probabilities, relaxed acceptance, padding.
 Stochastic rows with top-k or top-p go through the torch path (`tandem.decoding.accept`)
 transparently, row by row, so every row still depends only on its own inputs and seed.
 
@@ -35,12 +46,12 @@ from tandem.decoding import AcceptanceResult, RelaxedAcceptance, SamplingTensors
 from tandem.decoding.acceptance import check_accept_inputs
 from tandem.decoding.rng import STREAM_ACCEPT, STREAM_EMIT
 from tandem.kernels.bitmask import allowed_tokens
-from tandem.kernels.rng import log_exponential, stream_state, uniform
+from tandem.kernels.rng import exponential, stream_state, uniform
 
 # Compiled kernels may read only constexpr globals.
 _STREAM_ACCEPT = tl.constexpr(STREAM_ACCEPT)
 _STREAM_EMIT = tl.constexpr(STREAM_EMIT)
-MAX_BLOCK = 4096  # tokens per step of a pass over V (tests lower it to exercise multi-block passes)
+MAX_BLOCK = 4096  # vocabulary tokens per program (tests lower it to exercise many chunks per pass)
 
 
 @triton.jit
@@ -54,101 +65,17 @@ def _masked_logits(logit_row, mask_row, ids, vocab_size, HAS_MASK: tl.constexpr)
 
 
 @triton.jit
-def _max_pass(logit_row, mask_row, vocab_size, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
-    """max of the masked logits (the min-p threshold needs it before the sum)."""
-    best = float("-inf")
-    for start in range(0, vocab_size, BLOCK):
-        x = _masked_logits(logit_row, mask_row, start + tl.arange(0, BLOCK), vocab_size, HAS_MASK)
-        best = tl.maximum(best, tl.max(x, 0))
-    return best
-
-
-@triton.jit
-def _position_pass(logit_row, mask_row, vocab_size, temperature, threshold, draft, draft_logit,
-                   HAS_MASK: tl.constexpr, STOCHASTIC: tl.constexpr, RELAXED: tl.constexpr, BLOCK: tl.constexpr):
-    """One pass over a position's masked logits x.
-
-    returns: top (max x, -inf at a dead end), argmax (lowest id among ties), sum_t = sum of
-    exp((x - top) / temperature) over tokens with x >= threshold (STOCHASTIC), sum_raw = sum of
-    exp(x - top) (RELAXED), ahead = tokens ranked before the draft, ties by lower id (RELAXED).
-    """
-    top = float("-inf")
-    argmax = 0
-    sum_t = 0.0
-    sum_raw = 0.0
-    ahead = 0
-    for start in range(0, vocab_size, BLOCK):
-        ids = start + tl.arange(0, BLOCK)
-        x = _masked_logits(logit_row, mask_row, ids, vocab_size, HAS_MASK)
-        block_top = tl.max(x, 0)
-        block_argmax = tl.min(tl.where(x == block_top, ids, vocab_size), 0)
-        new_top = tl.maximum(top, block_top)
-        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # keeps -inf - -inf out
-        if STOCHASTIC:
-            kept = tl.exp((x - shift) / temperature)
-            kept = tl.where(x >= threshold, kept, 0.0)
-            sum_t = sum_t * tl.exp((top - shift) / temperature) + tl.sum(kept, 0)
-        if RELAXED:
-            sum_raw = sum_raw * tl.exp(top - shift) + tl.sum(tl.exp(x - shift), 0)
-            before = (x > draft_logit) | ((x == draft_logit) & (ids < draft))
-            ahead += tl.sum(before.to(tl.int32), 0)
-        argmax = tl.where(block_top > top, block_argmax, argmax)  # earlier blocks win ties
-        top = new_top
-    return top, argmax, sum_t, sum_raw, ahead
-
-
-@triton.jit
-def _race(logit_row, mask_row, q_row, vocab_size, temperature, threshold, top, sum_t, excluded, use_q, seed,
-          HAS_MASK: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
-    """Sample of norm(w), w = max(p - q, 0) with q = q_row if use_q, else w = p without token
-    `excluded` (-1: none); a sample of p where w is all zero; -1 at a dead end.
-
-    p = the position's target distribution: exp((x - top) / temperature) / sum_t on x >= threshold.
-    """
-    emit_state = stream_state(seed, _STREAM_EMIT)  # counter = token id
-    best_w_key = float("-inf")
-    best_w = -1
-    best_p_key = float("-inf")
-    best_p = -1
-    for start in range(0, vocab_size, BLOCK):
-        ids = start + tl.arange(0, BLOCK)
-        x = _masked_logits(logit_row, mask_row, ids, vocab_size, HAS_MASK)
-        support = (x > float("-inf")) & (x >= threshold)
-        log_exp = log_exponential(emit_state, ids)
-        z = (x - top) / temperature
-        p_key = tl.where(support, z - log_exp, float("-inf"))
-        if HAS_Q:
-            q = tl.load(q_row + ids, mask=ids < tl.where(use_q, vocab_size, 0), other=0.0).to(tl.float32)
-            w = tl.exp(z) / sum_t - q
-            w_key = tl.where(support & (w > 0), tl.log(tl.where(w > 0, w, 1.0)) - log_exp, float("-inf"))
-        else:
-            w_key = p_key
-        w_key = tl.where(ids == excluded, float("-inf"), w_key)
-        block_w_key = tl.max(w_key, 0)
-        block_p_key = tl.max(p_key, 0)
-        best_w = tl.where(block_w_key > best_w_key, tl.min(tl.where(w_key == block_w_key, ids, vocab_size), 0), best_w)
-        best_p = tl.where(block_p_key > best_p_key, tl.min(tl.where(p_key == block_p_key, ids, vocab_size), 0), best_p)
-        best_w_key = tl.maximum(best_w_key, block_w_key)
-        best_p_key = tl.maximum(best_p_key, block_p_key)
-    return tl.where(best_w >= 0, best_w, best_p)
-
-
-@triton.jit
-def _accept_kernel(
-    logits_ptr, logits_stride_b, logits_stride_j,
-    mask_ptr, mask_stride_b, mask_stride_j,
-    drafts_ptr, drafts_stride_b,
-    q_ptr, q_stride_b, q_stride_j,
-    thinking_ptr, thinking_stride_b,
-    temperature_ptr, min_p_ptr, seed_ptr, row_ids_ptr,
-    tokens_ptr, num_accepted_ptr, dead_end_ptr,
-    num_drafts, vocab_size, relaxed_top_k, relaxed_delta,
-    HAS_MASK: tl.constexpr, HAS_Q: tl.constexpr, STOCHASTIC: tl.constexpr, RELAXED: tl.constexpr,
-    INDEXED: tl.constexpr, BLOCK: tl.constexpr, POSITIONS_BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
+def _row_index(row_ids_ptr, r, INDEXED: tl.constexpr):
+    """The batch row that program row `r` computes (rows with top-k/top-p are left to torch)."""
+    row = r.to(tl.int64)
     if INDEXED:
         row = tl.load(row_ids_ptr + row)
+    return row
+
+
+@triton.jit
+def _row_settings(temperature_ptr, min_p_ptr, seed_ptr, row, STOCHASTIC: tl.constexpr):
+    """(stochastic, temperature to divide by (1.0 for greedy rows), min_p, seed) of one row."""
     temperature = 0.0
     min_p = 0.0
     seed = 0
@@ -157,78 +84,251 @@ def _accept_kernel(
         min_p = tl.load(min_p_ptr + row)
         seed = tl.load(seed_ptr + row)
     stochastic = temperature > 0
-    safe_temperature = tl.where(stochastic, temperature, 1.0)
-    positions = tl.arange(0, POSITIONS_BLOCK)
-    if STOCHASTIC:  # the acceptance tests' uniforms, one per draft position, drawn at once
-        u_accept = uniform(stream_state(seed, _STREAM_ACCEPT), positions)
+    return stochastic, tl.where(stochastic, temperature, 1.0), min_p, seed
 
-    # Walk positions until the first rejection; position num_drafts (the bonus) always stops.
-    pos = 0
-    walking = True
-    top = float("-inf")
-    argmax = 0
-    sum_t = 0.0
+
+@triton.jit
+def _draft_at(drafts_ptr, drafts_stride_b, logit_row, mask_row, row, pos, num_drafts, vocab_size, HAS_MASK: tl.constexpr):
+    """(draft id or -1 past the drafts, is a real token, is a real token the mask allows, its logit: -inf if not allowed)."""
+    draft = tl.load(drafts_ptr + row * drafts_stride_b + pos, mask=pos < num_drafts, other=-1)
+    draft_ok = (draft >= 0) & (draft < vocab_size)
+    safe_draft = tl.where(draft_ok, draft, 0)
+    allowed = draft_ok
+    if HAS_MASK:
+        allowed &= allowed_tokens(mask_row, safe_draft, draft_ok)
+    draft_logit = tl.load(logit_row + safe_draft, mask=draft_ok, other=float("-inf")).to(tl.float32)
+    return draft, draft_ok, allowed, tl.where(allowed, draft_logit, float("-inf"))
+
+
+@triton.jit
+def _threshold(top, temperature, min_p, stochastic, HAS_MIN_P: tl.constexpr):
+    """min-p cut on masked logits: x >= top + T log(min_p) <=> p(x) >= min_p * p_max (-inf: none)."""
     threshold = float("-inf")
-    draft = tl.full((), -1, tl.int64)
-    draft_ok = False
-    while walking:
-        logit_row = logits_ptr + row * logits_stride_b + pos * logits_stride_j
-        mask_row = mask_ptr + row * mask_stride_b + pos * mask_stride_j
-        draft = tl.load(drafts_ptr + row * drafts_stride_b + pos, mask=pos < num_drafts, other=-1)
-        draft_ok = (draft >= 0) & (draft < vocab_size)
-        safe_draft = tl.where(draft_ok, draft, 0)
-        draft_logit = tl.load(logit_row + safe_draft).to(tl.float32)
-        draft_allowed = draft_ok
-        if HAS_MASK:
-            draft_allowed &= allowed_tokens(mask_row, safe_draft, draft_ok)
-        draft_logit = tl.where(draft_allowed, draft_logit, float("-inf"))
-        threshold = float("-inf")
-        if STOCHASTIC:
-            if stochastic & (min_p > 0):
-                threshold = _max_pass(logit_row, mask_row, vocab_size, HAS_MASK, BLOCK) + temperature * tl.log(min_p)
-        top, argmax, sum_t, sum_raw, ahead = _position_pass(
-            logit_row, mask_row, vocab_size, safe_temperature, threshold, draft, draft_logit,
-            HAS_MASK, STOCHASTIC, RELAXED, BLOCK)
-        eligible = draft_allowed & (top > float("-inf"))
-        safe_top = tl.where(eligible, top, 0.0)  # a dead end's top is -inf; its draft is rejected anyway
-        accepted = draft == argmax
-        if STOCHASTIC:
-            p_draft = tl.exp((draft_logit - safe_top) / safe_temperature) / tl.where(eligible, sum_t, 1.0)
-            p_draft = tl.where(draft_logit >= threshold, p_draft, 0.0)
-            q_draft = 1.0
-            if HAS_Q:
-                q_draft = tl.load(q_ptr + row * q_stride_b + pos * q_stride_j + safe_draft).to(tl.float32)
-            u = tl.sum(tl.where(positions == pos, u_accept, 0.0), 0)
-            accepted = tl.where(stochastic, (p_draft > 0) & (u * q_draft <= p_draft), accepted)
-        if RELAXED:
-            thinking = tl.load(thinking_ptr + row * thinking_stride_b + pos) != 0
-            safe_sum = tl.where(eligible, sum_raw, 1.0)
-            close = tl.exp(draft_logit - safe_top) / safe_sum >= 1.0 / safe_sum - relaxed_delta
-            accepted |= thinking & (ahead < relaxed_top_k) & close
-        walking = accepted & eligible
-        pos += walking.to(tl.int32)
+    if HAS_MIN_P:
+        cut = stochastic & (min_p > 0)
+        threshold = tl.where(cut, top + temperature * tl.log(tl.where(cut, min_p, 1.0)), float("-inf"))
+    return threshold
 
-    dead_end = top == float("-inf")
-    emitted = argmax
+
+@triton.jit
+def _chunk_max_kernel(logits_ptr, logits_stride_b, logits_stride_j, mask_ptr, mask_stride_b, mask_stride_j,
+                      row_ids_ptr, max_ptr, num_chunks, vocab_size,
+                      HAS_MASK: tl.constexpr, INDEXED: tl.constexpr, BLOCK: tl.constexpr):
+    """max_ptr[r, pos, chunk] = max of the chunk's masked logits (min-p needs the max before the sum)."""
+    chunk, pos, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = _row_index(row_ids_ptr, r, INDEXED)
+    ids = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = _masked_logits(logits_ptr + row * logits_stride_b + pos * logits_stride_j,
+                       mask_ptr + row * mask_stride_b + pos * mask_stride_j, ids, vocab_size, HAS_MASK)
+    slot = (r.to(tl.int64) * tl.num_programs(1) + pos) * num_chunks + chunk
+    tl.store(max_ptr + slot, tl.max(x, 0))
+
+
+@triton.jit
+def _chunk_stats_kernel(
+    logits_ptr, logits_stride_b, logits_stride_j, mask_ptr, mask_stride_b, mask_stride_j,
+    drafts_ptr, drafts_stride_b, temperature_ptr, min_p_ptr, seed_ptr, row_ids_ptr,
+    max_ptr, top_ptr, argmax_ptr, sum_t_ptr, sum_raw_ptr, ahead_ptr,
+    num_drafts, num_chunks, vocab_size,
+    HAS_MASK: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_MIN_P: tl.constexpr, RELAXED: tl.constexpr,
+    INDEXED: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
+):
+    """Statistics of one chunk of one position's masked logits x, at [r, pos, chunk] of each output:
+    top (max x), argmax (lowest id among ties), sum_t = sum of exp((x - top) / T) over x >= the
+    min-p threshold (STOCHASTIC), sum_raw = sum of exp(x - top) and ahead = tokens ranked before
+    the draft, ties by lower id (RELAXED)."""
+    chunk, pos, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = _row_index(row_ids_ptr, r, INDEXED)
+    logit_row = logits_ptr + row * logits_stride_b + pos * logits_stride_j
+    mask_row = mask_ptr + row * mask_stride_b + pos * mask_stride_j
+    ids = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = _masked_logits(logit_row, mask_row, ids, vocab_size, HAS_MASK)
+    top = tl.max(x, 0)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    slot = (r.to(tl.int64) * tl.num_programs(1) + pos) * num_chunks + chunk
+    tl.store(top_ptr + slot, top)
+    tl.store(argmax_ptr + slot, tl.min(tl.where(x == top, ids, vocab_size), 0))
     if STOCHASTIC:
-        if stochastic & (top > float("-inf")):
-            rejected_draft = (pos < num_drafts) & draft_ok
-            excluded = tl.full((), -1, tl.int64)
-            if not HAS_Q:  # one-hot q: the residual is p without the rejected draft
-                excluded = tl.where(rejected_draft, draft, -1)
-            emitted = _race(
-                logits_ptr + row * logits_stride_b + pos * logits_stride_j,
-                mask_ptr + row * mask_stride_b + pos * mask_stride_j,
-                q_ptr + row * q_stride_b + pos * q_stride_j,
-                vocab_size, safe_temperature, threshold, top, sum_t, excluded, rejected_draft, seed,
-                HAS_MASK, HAS_Q, BLOCK)
-    emitted = tl.where(dead_end, -1, emitted)
+        stochastic, temperature, min_p, _ = _row_settings(temperature_ptr, min_p_ptr, seed_ptr, row, STOCHASTIC)
+        threshold = float("-inf")
+        if HAS_MIN_P:
+            chunks = tl.arange(0, CHUNKS_BLOCK)
+            maxima = tl.load(max_ptr + (slot - chunk) + chunks, mask=chunks < num_chunks, other=float("-inf"))
+            threshold = _threshold(tl.max(maxima, 0), temperature, min_p, stochastic, HAS_MIN_P)
+        kept = tl.where(x >= threshold, tl.exp((x - shift) / temperature), 0.0)
+        tl.store(sum_t_ptr + slot, tl.sum(kept, 0))
+    if RELAXED:
+        draft, _, _, draft_logit = _draft_at(drafts_ptr, drafts_stride_b, logit_row, mask_row, row, pos, num_drafts,
+                                          vocab_size, HAS_MASK)
+        before = (x > draft_logit) | ((x == draft_logit) & (ids < draft))
+        tl.store(sum_raw_ptr + slot, tl.sum(tl.exp(x - shift), 0))
+        tl.store(ahead_ptr + slot, tl.sum(before.to(tl.int32), 0))
 
-    drafts = tl.load(drafts_ptr + row * drafts_stride_b + positions, mask=positions < num_drafts, other=-1)
-    tokens = tl.where(positions < pos, drafts, tl.where(positions == pos, emitted.to(tl.int64), -1))
-    tl.store(tokens_ptr + row * (num_drafts + 1) + positions, tokens, mask=positions <= num_drafts)
+
+@triton.jit
+def _combine_chunks(top_ptr, argmax_ptr, sum_t_ptr, sum_raw_ptr, ahead_ptr, bases, live, num_chunks, vocab_size,
+                    temperature, STOCHASTIC: tl.constexpr, RELAXED: tl.constexpr, CHUNKS_BLOCK: tl.constexpr):
+    """Positions' statistics over all of V from their chunks', the chunks of position i at
+    [bases[i], bases[i] + num_chunks) (positions where `live` is False read nothing):
+    [N] vectors (top, argmax, sum_t, sum_raw, ahead) as `_chunk_stats_kernel` defines them."""
+    chunks = tl.arange(0, CHUNKS_BLOCK)[None, :]
+    offsets = bases[:, None] + chunks
+    valid = live[:, None] & (chunks < num_chunks)
+    tops = tl.load(top_ptr + offsets, mask=valid, other=float("-inf"))
+    top = tl.max(tops, 1)
+    # Chunks are in id order and each holds its lowest top id: the lowest over chunks at the top wins.
+    at_top = valid & (tops == top[:, None])
+    argmax = tl.min(tl.where(at_top, tl.load(argmax_ptr + offsets, mask=valid, other=0), vocab_size), 1)
+    shift = tl.where(top == float("-inf"), 0.0, top)[:, None]  # keeps -inf - -inf out
+    seen = tops > float("-inf")
+    sum_t = tl.zeros_like(top)
+    sum_raw = tl.zeros_like(top)
+    ahead = tl.zeros_like(argmax)
+    if STOCHASTIC:  # chunk sums were taken relative to their own max: rescale to the position's
+        sums = tl.load(sum_t_ptr + offsets, mask=valid, other=0.0)
+        sum_t = tl.sum(tl.where(seen, sums * tl.exp((tops - shift) / temperature), 0.0), 1)
+    if RELAXED:
+        sums = tl.load(sum_raw_ptr + offsets, mask=valid, other=0.0)
+        sum_raw = tl.sum(tl.where(seen, sums * tl.exp(tops - shift), 0.0), 1)
+        ahead = tl.sum(tl.load(ahead_ptr + offsets, mask=valid, other=0), 1)
+    return top, argmax, sum_t, sum_raw, ahead
+
+
+@triton.jit
+def _walk_kernel(
+    logits_ptr, logits_stride_b, logits_stride_j, mask_ptr, mask_stride_b, mask_stride_j,
+    drafts_ptr, drafts_stride_b, q_ptr, q_stride_b, q_stride_j, thinking_ptr, thinking_stride_b,
+    temperature_ptr, min_p_ptr, seed_ptr, row_ids_ptr,
+    top_ptr, argmax_ptr, sum_t_ptr, sum_raw_ptr, ahead_ptr,
+    tokens_ptr, num_accepted_ptr, dead_end_ptr,
+    num_drafts, num_chunks, vocab_size, relaxed_top_k, relaxed_delta,
+    HAS_MASK: tl.constexpr, HAS_Q: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_MIN_P: tl.constexpr,
+    RELAXED: tl.constexpr, INDEXED: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, POSITIONS_BLOCK: tl.constexpr,
+):
+    """One row: decide every position's draft at once (each decision reads only its own
+    position), stop at the first rejection (the bonus position always stops) and write the row's
+    outputs; a stochastic row's emitted token is left to the race kernels."""
+    r = tl.program_id(0)
+    row = _row_index(row_ids_ptr, r, INDEXED)
+    stochastic, temperature, min_p, seed = _row_settings(temperature_ptr, min_p_ptr, seed_ptr, row, STOCHASTIC)
+    positions = tl.arange(0, POSITIONS_BLOCK)
+    live = positions <= num_drafts
+    draft, draft_ok, draft_allowed, draft_logit = _draft_at(
+        drafts_ptr, drafts_stride_b, logits_ptr + row * logits_stride_b + positions * logits_stride_j,
+        mask_ptr + row * mask_stride_b + positions * mask_stride_j, row, positions, num_drafts, vocab_size, HAS_MASK)
+    top, argmax, sum_t, sum_raw, ahead = _combine_chunks(
+        top_ptr, argmax_ptr, sum_t_ptr, sum_raw_ptr, ahead_ptr, (r.to(tl.int64) * (num_drafts + 1) + positions) * num_chunks,
+        live, num_chunks, vocab_size, temperature, STOCHASTIC, RELAXED, CHUNKS_BLOCK)
+    eligible = draft_allowed & (top > float("-inf"))
+    safe_top = tl.where(eligible, top, 0.0)  # a dead end's top is -inf; its draft is rejected anyway
+    accepted = draft == argmax
+    if STOCHASTIC:
+        u = uniform(stream_state(seed, _STREAM_ACCEPT), positions)  # the torch path's test of draft j
+        threshold = _threshold(top, temperature, min_p, stochastic, HAS_MIN_P)
+        p_draft = tl.exp((draft_logit - safe_top) / temperature) / tl.where(eligible, sum_t, 1.0)
+        p_draft = tl.where(draft_logit >= threshold, p_draft, 0.0)
+        q_draft = 1.0
+        if HAS_Q:
+            q_draft = tl.load(q_ptr + row * q_stride_b + positions * q_stride_j + draft, mask=draft_ok, other=1.0).to(tl.float32)
+        accepted = tl.where(stochastic, (p_draft > 0) & (u * q_draft <= p_draft), accepted)
+    if RELAXED:
+        thinking = tl.load(thinking_ptr + row * thinking_stride_b + positions, mask=live, other=0) != 0
+        safe_sum = tl.where(eligible, sum_raw, 1.0)
+        close = tl.exp(draft_logit - safe_top) / safe_sum >= 1.0 / safe_sum - relaxed_delta
+        accepted |= thinking & (ahead < relaxed_top_k) & close
+    pos = tl.min(tl.where(accepted & eligible, POSITIONS_BLOCK, positions), 0)  # the first rejection
+
+    at_pos = positions == pos
+    dead_end = tl.max(tl.where(at_pos, top, float("-inf")), 0) == float("-inf")
+    emitted = tl.where(dead_end, -1, tl.max(tl.where(at_pos, argmax, -1), 0)).to(tl.int64)
+    tokens = tl.where(positions < pos, draft, tl.where(at_pos, emitted, -1))
+    tl.store(tokens_ptr + row * (num_drafts + 1) + positions, tokens, mask=live)
     tl.store(num_accepted_ptr + row, pos.to(tl.int64))
     tl.store(dead_end_ptr + row, dead_end.to(tl.int8))
+
+
+@triton.jit
+def _race_kernel(
+    logits_ptr, logits_stride_b, logits_stride_j, mask_ptr, mask_stride_b, mask_stride_j,
+    drafts_ptr, drafts_stride_b, q_ptr, q_stride_b, q_stride_j,
+    temperature_ptr, min_p_ptr, seed_ptr, row_ids_ptr,
+    top_ptr, argmax_ptr, sum_t_ptr, num_accepted_ptr, dead_end_ptr,
+    w_key_ptr, w_id_ptr, p_key_ptr, p_id_ptr,
+    num_drafts, num_chunks, vocab_size,
+    HAS_MASK: tl.constexpr, HAS_Q: tl.constexpr, HAS_MIN_P: tl.constexpr, INDEXED: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
+):
+    """One chunk of a stochastic row's exponential race at the position where its walk stopped:
+    the best key and its id (lowest among ties) for the residual w = max(p - q, 0), where q = the
+    row's draft probabilities if the draft there was rejected, else w = p without the rejected
+    draft (one-hot q) or w = p (bonus position); and for p itself (the fallback where w is all
+    zero). p = exp((x - top) / T) / sum_t on x >= the min-p threshold. Keys at [r, chunk]."""
+    chunk, r = tl.program_id(0), tl.program_id(1)
+    row = _row_index(row_ids_ptr, r, INDEXED)
+    stochastic, temperature, min_p, seed = _row_settings(temperature_ptr, min_p_ptr, seed_ptr, row, True)
+    if stochastic & (tl.load(dead_end_ptr + row) == 0):
+        pos = tl.load(num_accepted_ptr + row)
+        logit_row = logits_ptr + row * logits_stride_b + pos * logits_stride_j
+        mask_row = mask_ptr + row * mask_stride_b + pos * mask_stride_j
+        draft, draft_ok, _, _ = _draft_at(drafts_ptr, drafts_stride_b, logit_row, mask_row, row, pos, num_drafts,
+                                       vocab_size, HAS_MASK)
+        one = tl.zeros([1], dtype=tl.int64)
+        top, _, sum_t, _, _ = _combine_chunks(top_ptr, argmax_ptr, sum_t_ptr, sum_t_ptr, argmax_ptr,
+                                              one + (r.to(tl.int64) * (num_drafts + 1) + pos) * num_chunks, one == 0,
+                                              num_chunks, vocab_size, temperature, True, False, CHUNKS_BLOCK)
+        top, sum_t = tl.max(top, 0), tl.sum(sum_t, 0)
+        threshold = _threshold(top, temperature, min_p, stochastic, HAS_MIN_P)
+        rejected_draft = (pos < num_drafts) & draft_ok
+        excluded = tl.full((), -1, tl.int64)
+        if not HAS_Q:  # one-hot q: the residual is p without the rejected draft
+            excluded = tl.where(rejected_draft, draft, -1)
+
+        ids = chunk * BLOCK + tl.arange(0, BLOCK)
+        x = _masked_logits(logit_row, mask_row, ids, vocab_size, HAS_MASK)
+        support = (x > float("-inf")) & (x >= threshold)
+        race = exponential(stream_state(seed, _STREAM_EMIT), ids)  # counter = token id
+        p = tl.exp((x - top) / temperature)  # sum_t * the target probability
+        p_key = tl.where(support, p / race, float("-inf"))
+        if HAS_Q:
+            q = tl.load(q_ptr + row * q_stride_b + pos * q_stride_j + ids,
+                        mask=ids < tl.where(rejected_draft, vocab_size, 0), other=0.0).to(tl.float32)
+            w = p / sum_t - q
+            w_key = tl.where(support & (w > 0), w / race, float("-inf"))
+        else:
+            w_key = p_key
+        w_key = tl.where(ids == excluded, float("-inf"), w_key)
+        slot = r.to(tl.int64) * num_chunks + chunk
+        best_w_key = tl.max(w_key, 0)
+        best_p_key = tl.max(p_key, 0)
+        tl.store(w_key_ptr + slot, best_w_key)
+        tl.store(w_id_ptr + slot, tl.min(tl.where(w_key == best_w_key, ids, vocab_size), 0))
+        tl.store(p_key_ptr + slot, best_p_key)
+        tl.store(p_id_ptr + slot, tl.min(tl.where(p_key == best_p_key, ids, vocab_size), 0))
+
+
+@triton.jit
+def _race_winner(key_ptr, id_ptr, base, num_chunks, vocab_size, CHUNKS_BLOCK: tl.constexpr):
+    """(best key, its id: lowest among ties) over a row's chunk results at [base, base + num_chunks)."""
+    chunks = tl.arange(0, CHUNKS_BLOCK)
+    valid = chunks < num_chunks
+    keys = tl.load(key_ptr + base + chunks, mask=valid, other=float("-inf"))
+    best = tl.max(keys, 0)
+    return best, tl.min(tl.where(valid & (keys == best), tl.load(id_ptr + base + chunks, mask=valid, other=0), vocab_size), 0)
+
+
+@triton.jit
+def _race_finish_kernel(temperature_ptr, row_ids_ptr, num_accepted_ptr, dead_end_ptr,
+                        w_key_ptr, w_id_ptr, p_key_ptr, p_id_ptr, tokens_ptr,
+                        num_drafts, num_chunks, vocab_size, INDEXED: tl.constexpr, CHUNKS_BLOCK: tl.constexpr):
+    """A stochastic row's emitted token: the race winner over its chunks (w's, or p's where w is all zero)."""
+    r = tl.program_id(0)
+    row = _row_index(row_ids_ptr, r, INDEXED)
+    if (tl.load(temperature_ptr + row) > 0) & (tl.load(dead_end_ptr + row) == 0):
+        base = r.to(tl.int64) * num_chunks
+        best_w_key, best_w = _race_winner(w_key_ptr, w_id_ptr, base, num_chunks, vocab_size, CHUNKS_BLOCK)
+        _, best_p = _race_winner(p_key_ptr, p_id_ptr, base, num_chunks, vocab_size, CHUNKS_BLOCK)
+        emitted = tl.where(best_w_key > float("-inf"), best_w, best_p)
+        tl.store(tokens_ptr + row * (num_drafts + 1) + tl.load(num_accepted_ptr + row), emitted.to(tl.int64))
 
 
 def accept_triton(
@@ -241,7 +341,7 @@ def accept_triton(
     in_thinking: torch.Tensor | None = None,
     relaxed: RelaxedAcceptance | None = None,
 ) -> AcceptanceResult:
-    """`tandem.decoding.accept` with the fused kernel (module docstring); same arguments and result.
+    """`tandem.decoding.accept` with the fused kernels (module docstring); same arguments and result.
 
     target_logits: [B, k+1, V] float32/bfloat16/float16, last dim contiguous
     draft_tokens:  [B, k] int64
@@ -276,20 +376,47 @@ def accept_triton(
         dummy = logits  # stands in for absent optional tensors; never read (constexpr flags)
         temperature, min_p, seed = (sampling.temperature, sampling.min_p, sampling.seed) if stochastic else (dummy,) * 3
         block = min(MAX_BLOCK, triton.next_power_of_2(vocab_size))
-        _accept_kernel[(num_kernel_rows,)](
-            logits, logits.stride(0), logits.stride(1),
-            *(_or(mask, dummy), *_strides(mask, 2)),
-            drafts, drafts.stride(0),
-            *(_or(q, dummy), *_strides(q, 2)),
-            *(_or(thinking, dummy), *_strides(thinking, 1)),
-            temperature, min_p, seed, _or(kernel_rows, dummy),
+        num_chunks = triton.cdiv(vocab_size, block)
+        has_min_p = stochastic and sampling.any_min_p
+        # Per (row, position, chunk): max (min-p only), top, sum_t, sum_raw; argmax, ahead. Per (row, chunk): race keys and ids.
+        stats = torch.empty(4, num_kernel_rows, num_positions, num_chunks, dtype=torch.float32, device=device)
+        stat_ids = torch.empty(2, num_kernel_rows, num_positions, num_chunks, dtype=torch.int32, device=device)
+        inputs = (logits, logits.stride(0), logits.stride(1), _or(mask, dummy), *_strides(mask, 2))
+        row_ids = _or(kernel_rows, dummy)
+        flags = dict(HAS_MASK=mask is not None, INDEXED=kernel_rows is not None)
+        chunks_block = triton.next_power_of_2(num_chunks)
+        grid = (num_chunks, num_positions, num_kernel_rows)
+        warps = 8 if block >= 2048 else 4
+        if has_min_p:
+            _chunk_max_kernel[grid](*inputs, row_ids, stats[0], num_chunks, vocab_size, **flags, BLOCK=block,
+                                    num_warps=warps)
+        _chunk_stats_kernel[grid](
+            *inputs, drafts, drafts.stride(0), temperature, min_p, seed, row_ids,
+            stats[0], stats[1], stat_ids[0], stats[2], stats[3], stat_ids[1],
+            num_positions - 1, num_chunks, vocab_size,
+            **flags, STOCHASTIC=stochastic, HAS_MIN_P=has_min_p, RELAXED=thinking is not None, BLOCK=block,
+            CHUNKS_BLOCK=chunks_block, num_warps=warps)
+        _walk_kernel[(num_kernel_rows,)](
+            *inputs, drafts, drafts.stride(0), _or(q, dummy), *_strides(q, 2), _or(thinking, dummy), *_strides(thinking, 1),
+            temperature, min_p, seed, row_ids, stats[1], stat_ids[0], stats[2], stats[3], stat_ids[1],
             tokens, num_accepted, dead_end,
-            num_positions - 1, vocab_size,
+            num_positions - 1, num_chunks, vocab_size,
             relaxed.top_k if relaxed is not None else 0, float(relaxed.delta) if relaxed is not None else 0.0,
-            HAS_MASK=mask is not None, HAS_Q=q is not None, STOCHASTIC=stochastic, RELAXED=thinking is not None,
-            INDEXED=kernel_rows is not None, BLOCK=block, POSITIONS_BLOCK=triton.next_power_of_2(num_positions),
-            num_warps=16 if block >= 2048 else 4,
-        )
+            **flags, HAS_Q=q is not None, STOCHASTIC=stochastic, HAS_MIN_P=has_min_p, RELAXED=thinking is not None,
+            CHUNKS_BLOCK=chunks_block, POSITIONS_BLOCK=triton.next_power_of_2(num_positions), num_warps=1)
+        if stochastic:
+            race = torch.empty(2, num_kernel_rows, num_chunks, dtype=torch.float32, device=device)
+            race_ids = torch.empty(2, num_kernel_rows, num_chunks, dtype=torch.int32, device=device)
+            _race_kernel[(num_chunks, num_kernel_rows)](
+                *inputs, drafts, drafts.stride(0), _or(q, dummy), *_strides(q, 2), temperature, min_p, seed, row_ids,
+                stats[1], stat_ids[0], stats[2], num_accepted, dead_end, race[0], race_ids[0], race[1], race_ids[1],
+                num_positions - 1, num_chunks, vocab_size,
+                **flags, HAS_Q=q is not None, HAS_MIN_P=has_min_p, BLOCK=block, CHUNKS_BLOCK=chunks_block,
+                num_warps=warps)
+            _race_finish_kernel[(num_kernel_rows,)](
+                temperature, row_ids, num_accepted, dead_end, race[0], race_ids[0], race[1], race_ids[1], tokens,
+                num_positions - 1, num_chunks, vocab_size, INDEXED=kernel_rows is not None,
+                CHUNKS_BLOCK=chunks_block, num_warps=1)
     result = AcceptanceResult(num_accepted=num_accepted, tokens=tokens, dead_end=dead_end.view(torch.bool))
     if fallback is not None and num_kernel_rows < batch:
         _merge_torch_rows(result, fallback.nonzero().squeeze(-1), target_logits, draft_tokens,

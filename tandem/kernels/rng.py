@@ -44,8 +44,8 @@ def uniform(state, counter):
 
 
 @triton.jit
-def log_exponential(state, counter):
-    """log E with E ~ Exp(1), one per counter, accurate where it matters for a race: small E.
+def exponential(state, counter):
+    """E ~ Exp(1), one per counter, accurate where it matters for a race: small E.
 
     E = -log(1 - w) with w = (bits + 1/2) / 2**24, the midpoint of its 2**-24 bin (so the
     quantised law of small E is unbiased and E is never 0). Small w go through
@@ -59,4 +59,4 @@ def log_exponential(state, counter):
     t = w / (2.0 - w)
     t2 = t * t
     small = 2.0 * t * (1.0 + t2 * (1.0 / 3.0 + t2 * 0.2))
-    return tl.log(tl.where(w < 0.0625, small, -tl.log(one_minus_w)))
+    return tl.where(w < 0.0625, small, -tl.log(one_minus_w))

@@ -27,10 +27,11 @@ def test_greedy_relaxed_and_stochastic_decisions_equal_the_torch_path(vocab_size
     logits, drafts, bitmask = _case(64, 4, vocab_size, dtype)
     thinking = torch.rand(64, 5, device="cuda") < 0.5
     for kwargs in ({}, {"in_thinking": thinking, "relaxed": RelaxedAcceptance()}):
-        expected, got = accept(logits, drafts, bitmask=bitmask, **kwargs), accept_triton(logits, drafts, bitmask=bitmask, **kwargs)
+        expected = accept(logits, drafts, bitmask=bitmask, backend="torch", **kwargs)
+        got = accept_triton(logits, drafts, bitmask=bitmask, **kwargs)
         assert torch.equal(got.tokens, expected.tokens) and torch.equal(got.dead_end, expected.dead_end)
     sampling = SamplingTensors.full(64, temperature=0.8, min_p=0.01, seed=torch.arange(64)).to("cuda")
-    expected = accept(logits, drafts, bitmask=bitmask, sampling=sampling)
+    expected = accept(logits, drafts, bitmask=bitmask, sampling=sampling, backend="torch")
     got = accept_triton(logits, drafts, bitmask=bitmask, sampling=sampling)
     assert torch.equal(got.num_accepted, expected.num_accepted)
 
