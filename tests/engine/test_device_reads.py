@@ -2,6 +2,7 @@
 acceptance result at commit and the drafts after propose. Any other read, or a host-to-device
 copy from pageable memory, would stall the host behind the device. Skipped without CUDA."""
 
+import traceback
 import warnings
 
 import pytest
@@ -15,16 +16,25 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _device_reads(engine) -> list[str]:
-    """Where one engine step synchronised with the device (file:line of each)."""
+    """Where one engine step synchronised with the device: each read's call stack, innermost first."""
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
+    reads = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f"{f.filename}:{f.lineno}" for f in reversed(traceback.extract_stack()[:-1])
+                      if not f.filename.endswith("warnings.py")]
+            reads.append(" <- ".join(frames[:8]))
+
+    torch.cuda.set_sync_debug_mode("warn")  # outside the recording: torch may warn here, before the step
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
             engine.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return reads
 
 
 # fp32 Llama; DeepSeek in bf16, where the MoE takes grouped matmuls (its fp32 loop reads group sizes)
@@ -40,4 +50,4 @@ def test_a_speculative_step_reads_the_device_twice(model, draft, dtype, batch):
     engine.step()  # first speculative step: allocations and caches warm
     for _ in range(3):
         reads = _device_reads(engine)
-        assert len(reads) == 2, reads
+        assert len(reads) == 2, "\n".join(reads)
