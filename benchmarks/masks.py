@@ -98,7 +98,7 @@ def time_overlap(tokenizer, backend, cases, batch_size, k, forward_s, device):
     for overlapped in (False, True):
         masker = SpeculativeMasker(tokenizer.vocab_size, len(tokenizer.hf))
         pipeline = MaskPipeline(masker, batch_size, k, device)
-        step_times, mask_times = [], []
+        step_times = []
         for live, drafts in steps(masker, rows, k):
             start = time.perf_counter()
             if overlapped:

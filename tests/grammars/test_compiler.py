@@ -7,7 +7,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from tandem.grammars.backends import BACKENDS
 from tandem.grammars.compiler import AUTO_ORDER, GrammarCompiler, compile_grammar
@@ -66,7 +65,6 @@ def test_backend_without_the_spec_kind_says_so(tokenizer):
 def test_every_backend_compiles_regex_and_choice_exactly(tokenizer, backend):
     for spec, good, bad in [(GrammarSpec.regex("[0-9]{2}-ab"), "42-ab", "4-ab"), (GrammarSpec.choice(["yes", "no"]), "no", "nope")]:
         compiled = compile_grammar(spec, tokenizer, backend)
-        bitmask = torch.zeros(1, (tokenizer.vocab_size + 31) // 32, dtype=torch.int32)
         for text, expected in ((good, True), (bad, False)):
             matcher = compiled.new_matcher()
             ok = all(matcher.accept_token(t) for t in tokenizer.encode(text) + [tokenizer.eos_token_id])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from tandem.llm import resolve_model
