@@ -55,13 +55,18 @@ MAX_BLOCK = 4096  # vocabulary tokens per program (tests lower it to exercise ma
 
 
 @triton.jit
-def _masked_logits(logit_row, mask_row, ids, vocab_size, HAS_MASK: tl.constexpr):
-    """float32 block of logits with forbidden (and out-of-vocabulary) tokens at -inf."""
-    in_vocab = ids < vocab_size
-    x = tl.load(logit_row + ids, mask=in_vocab, other=float("-inf")).to(tl.float32)
+def _chunk_logits(logit_row, mask_row, chunk, vocab_size, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+                  ROW: tl.constexpr):
+    """(ids, x): a chunk's token ids and float32 logits, forbidden (and out-of-vocabulary) tokens at
+    -inf, as [BLOCK / ROW, ROW] tiles. ROW divides 32, so each tile row lies in one bitmask word,
+    loaded once for the row instead of once per token."""
+    starts = chunk * BLOCK + tl.arange(0, BLOCK // ROW)[:, None] * ROW
+    ids = starts + tl.arange(0, ROW)[None, :]
+    x = tl.load(logit_row + ids, mask=ids < vocab_size, other=float("-inf")).to(tl.float32)
     if HAS_MASK:
-        x = tl.where(allowed_tokens(mask_row, ids, in_vocab), x, float("-inf"))
-    return x
+        words = tl.load(mask_row + starts // 32, mask=starts < vocab_size, other=0)
+        x = tl.where(((words >> (ids % 32)) & 1) != 0, x, float("-inf"))
+    return ids, x
 
 
 @triton.jit
@@ -113,15 +118,14 @@ def _threshold(top, temperature, min_p, stochastic, HAS_MIN_P: tl.constexpr):
 @triton.jit
 def _chunk_max_kernel(logits_ptr, logits_stride_b, logits_stride_j, mask_ptr, mask_stride_b, mask_stride_j,
                       row_ids_ptr, max_ptr, num_chunks, vocab_size,
-                      HAS_MASK: tl.constexpr, INDEXED: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_MASK: tl.constexpr, INDEXED: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr):
     """max_ptr[r, pos, chunk] = max of the chunk's masked logits (min-p needs the max before the sum)."""
     chunk, pos, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = _row_index(row_ids_ptr, r, INDEXED)
-    ids = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = _masked_logits(logits_ptr + row * logits_stride_b + pos * logits_stride_j,
-                       mask_ptr + row * mask_stride_b + pos * mask_stride_j, ids, vocab_size, HAS_MASK)
+    _, x = _chunk_logits(logits_ptr + row * logits_stride_b + pos * logits_stride_j,
+                         mask_ptr + row * mask_stride_b + pos * mask_stride_j, chunk, vocab_size, HAS_MASK, BLOCK, ROW)
     slot = (r.to(tl.int64) * tl.num_programs(1) + pos) * num_chunks + chunk
-    tl.store(max_ptr + slot, tl.max(x, 0))
+    tl.store(max_ptr + slot, tl.max(x))
 
 
 @triton.jit
@@ -131,7 +135,7 @@ def _chunk_stats_kernel(
     max_ptr, top_ptr, argmax_ptr, sum_t_ptr, sum_raw_ptr, ahead_ptr,
     num_drafts, num_chunks, vocab_size,
     HAS_MASK: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_MIN_P: tl.constexpr, RELAXED: tl.constexpr,
-    INDEXED: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
+    INDEXED: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
 ):
     """Statistics of one chunk of one position's masked logits x, at [r, pos, chunk] of each output:
     top (max x), argmax (lowest id among ties), sum_t = sum of exp((x - top) / T) over x >= the
@@ -141,13 +145,12 @@ def _chunk_stats_kernel(
     row = _row_index(row_ids_ptr, r, INDEXED)
     logit_row = logits_ptr + row * logits_stride_b + pos * logits_stride_j
     mask_row = mask_ptr + row * mask_stride_b + pos * mask_stride_j
-    ids = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = _masked_logits(logit_row, mask_row, ids, vocab_size, HAS_MASK)
-    top = tl.max(x, 0)
+    ids, x = _chunk_logits(logit_row, mask_row, chunk, vocab_size, HAS_MASK, BLOCK, ROW)
+    top = tl.max(x)
     shift = tl.where(top == float("-inf"), 0.0, top)
     slot = (r.to(tl.int64) * tl.num_programs(1) + pos) * num_chunks + chunk
     tl.store(top_ptr + slot, top)
-    tl.store(argmax_ptr + slot, tl.min(tl.where(x == top, ids, vocab_size), 0))
+    tl.store(argmax_ptr + slot, tl.min(tl.where(x == top, ids, vocab_size)))
     if STOCHASTIC:
         stochastic, temperature, min_p, _ = _row_settings(temperature_ptr, min_p_ptr, seed_ptr, row, STOCHASTIC)
         threshold = float("-inf")
@@ -156,13 +159,13 @@ def _chunk_stats_kernel(
             maxima = tl.load(max_ptr + (slot - chunk) + chunks, mask=chunks < num_chunks, other=float("-inf"))
             threshold = _threshold(tl.max(maxima, 0), temperature, min_p, stochastic, HAS_MIN_P)
         kept = tl.where(x >= threshold, tl.exp((x - shift) / temperature), 0.0)
-        tl.store(sum_t_ptr + slot, tl.sum(kept, 0))
+        tl.store(sum_t_ptr + slot, tl.sum(kept))
     if RELAXED:
         draft, _, _, draft_logit = _draft_at(drafts_ptr, drafts_stride_b, logit_row, mask_row, row, pos, num_drafts,
                                           vocab_size, HAS_MASK)
         before = (x > draft_logit) | ((x == draft_logit) & (ids < draft))
-        tl.store(sum_raw_ptr + slot, tl.sum(tl.exp(x - shift), 0))
-        tl.store(ahead_ptr + slot, tl.sum(before.to(tl.int32), 0))
+        tl.store(sum_raw_ptr + slot, tl.sum(tl.exp(x - shift)))
+        tl.store(ahead_ptr + slot, tl.sum(before.to(tl.int32)))
 
 
 @triton.jit
@@ -256,7 +259,7 @@ def _race_kernel(
     w_key_ptr, w_id_ptr, p_key_ptr, p_id_ptr,
     num_drafts, num_chunks, vocab_size,
     HAS_MASK: tl.constexpr, HAS_Q: tl.constexpr, HAS_MIN_P: tl.constexpr, INDEXED: tl.constexpr,
-    BLOCK: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, ROW: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, FAST_LOG: tl.constexpr,
 ):
     """One chunk of a stochastic row's exponential race at the position where its walk stopped:
     the best key and its id (lowest among ties) for the residual w = max(p - q, 0), where q = the
@@ -283,10 +286,9 @@ def _race_kernel(
         if not HAS_Q:  # one-hot q: the residual is p without the rejected draft
             excluded = tl.where(rejected_draft, draft, -1)
 
-        ids = chunk * BLOCK + tl.arange(0, BLOCK)
-        x = _masked_logits(logit_row, mask_row, ids, vocab_size, HAS_MASK)
+        ids, x = _chunk_logits(logit_row, mask_row, chunk, vocab_size, HAS_MASK, BLOCK, ROW)
         support = (x > float("-inf")) & (x >= threshold)
-        race = exponential(stream_state(seed, _STREAM_EMIT), ids)  # counter = token id
+        race = exponential(stream_state(seed, _STREAM_EMIT), ids, FAST_LOG)  # counter = token id
         p = tl.exp((x - top) / temperature)  # sum_t * the target probability
         p_key = tl.where(support, p / race, float("-inf"))
         if HAS_Q:
@@ -298,12 +300,12 @@ def _race_kernel(
             w_key = p_key
         w_key = tl.where(ids == excluded, float("-inf"), w_key)
         slot = r.to(tl.int64) * num_chunks + chunk
-        best_w_key = tl.max(w_key, 0)
-        best_p_key = tl.max(p_key, 0)
+        best_w_key = tl.max(w_key)
+        best_p_key = tl.max(p_key)
         tl.store(w_key_ptr + slot, best_w_key)
-        tl.store(w_id_ptr + slot, tl.min(tl.where(w_key == best_w_key, ids, vocab_size), 0))
+        tl.store(w_id_ptr + slot, tl.min(tl.where(w_key == best_w_key, ids, vocab_size)))
         tl.store(p_key_ptr + slot, best_p_key)
-        tl.store(p_id_ptr + slot, tl.min(tl.where(p_key == best_p_key, ids, vocab_size), 0))
+        tl.store(p_id_ptr + slot, tl.min(tl.where(p_key == best_p_key, ids, vocab_size)))
 
 
 @triton.jit
@@ -387,14 +389,14 @@ def accept_triton(
         chunks_block = triton.next_power_of_2(num_chunks)
         grid = (num_chunks, num_positions, num_kernel_rows)
         warps = 8 if block >= 2048 else 4
+        tiles = dict(BLOCK=block, ROW=min(32, block))
         if has_min_p:
-            _chunk_max_kernel[grid](*inputs, row_ids, stats[0], num_chunks, vocab_size, **flags, BLOCK=block,
-                                    num_warps=warps)
+            _chunk_max_kernel[grid](*inputs, row_ids, stats[0], num_chunks, vocab_size, **flags, **tiles, num_warps=warps)
         _chunk_stats_kernel[grid](
             *inputs, drafts, drafts.stride(0), temperature, min_p, seed, row_ids,
             stats[0], stats[1], stat_ids[0], stats[2], stats[3], stat_ids[1],
             num_positions - 1, num_chunks, vocab_size,
-            **flags, STOCHASTIC=stochastic, HAS_MIN_P=has_min_p, RELAXED=thinking is not None, BLOCK=block,
+            **flags, STOCHASTIC=stochastic, HAS_MIN_P=has_min_p, RELAXED=thinking is not None, **tiles,
             CHUNKS_BLOCK=chunks_block, num_warps=warps)
         _walk_kernel[(num_kernel_rows,)](
             *inputs, drafts, drafts.stride(0), _or(q, dummy), *_strides(q, 2), _or(thinking, dummy), *_strides(thinking, 1),
@@ -411,8 +413,8 @@ def accept_triton(
                 *inputs, drafts, drafts.stride(0), _or(q, dummy), *_strides(q, 2), temperature, min_p, seed, row_ids,
                 stats[1], stat_ids[0], stats[2], num_accepted, dead_end, race[0], race_ids[0], race[1], race_ids[1],
                 num_positions - 1, num_chunks, vocab_size,
-                **flags, HAS_Q=q is not None, HAS_MIN_P=has_min_p, BLOCK=block, CHUNKS_BLOCK=chunks_block,
-                num_warps=warps)
+                **flags, HAS_Q=q is not None, HAS_MIN_P=has_min_p, **tiles, CHUNKS_BLOCK=chunks_block,
+                FAST_LOG=logits.is_cuda, num_warps=warps)
             _race_finish_kernel[(num_kernel_rows,)](
                 temperature, row_ids, num_accepted, dead_end, race[0], race_ids[0], race[1], race_ids[1], tokens,
                 num_positions - 1, num_chunks, vocab_size, INDEXED=kernel_rows is not None,

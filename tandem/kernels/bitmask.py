@@ -1,7 +1,7 @@
 """Grammar bitmask unpack + apply as a Triton kernel (layout: tandem/decoding/bitmask.py).
 
-`allowed_tokens` is the unpack step shared with the acceptance kernel, which fuses it into its
-passes over V instead of writing masked logits back to memory.
+`allowed_tokens` is the unpack step, shared with the acceptance kernels for their draft tokens
+(their passes over V unpack a word per tile row instead, and never write masked logits back).
 """
 
 from __future__ import annotations
