@@ -11,8 +11,8 @@ for a single greedy row on an H100). A call launches, in order:
    max and, for the relaxed rule, the count of tokens ranked before the draft. Reading positions
    past the first rejection costs bytes, but no pass waits for another.
 2. `_walk_kernel`, one program per row: combines each position's chunks (rescaling the sums to
-   the position's max), walks positions to the first rejection and writes the row's result;
-   greedy rows emit the argmax the combine found.
+   the position's max), decides every position's draft at once, stops at the first rejection
+   and writes the row's result; greedy rows emit the argmax the combine found.
 3. Stochastic rows only: `_race_kernel`, grid (chunks, rows), one more pass over the stopping
    position for an exponential race (argmax_i w_i / E_i with E_i ~ Exp(1) picks i with
    probability w_i / sum(w): the Gumbel-max trick without its logarithms) over the residual
@@ -93,8 +93,10 @@ def _row_settings(temperature_ptr, min_p_ptr, seed_ptr, row, STOCHASTIC: tl.cons
 
 
 @triton.jit
-def _draft_at(drafts_ptr, drafts_stride_b, logit_row, mask_row, row, pos, num_drafts, vocab_size, HAS_MASK: tl.constexpr):
-    """(draft id or -1 past the drafts, is a real token, is a real token the mask allows, its logit: -inf if not allowed)."""
+def _draft_at(drafts_ptr, drafts_stride_b, logit_row, mask_row, row, pos, num_drafts, vocab_size,
+              HAS_MASK: tl.constexpr):
+    """(draft id or -1 past the drafts, is a real token, is a real token the mask allows, its logit:
+    -inf if not allowed); `pos` and the row pointers may be vectors of positions."""
     draft = tl.load(drafts_ptr + row * drafts_stride_b + pos, mask=pos < num_drafts, other=-1)
     draft_ok = (draft >= 0) & (draft < vocab_size)
     safe_draft = tl.where(draft_ok, draft, 0)
@@ -220,8 +222,9 @@ def _walk_kernel(
         drafts_ptr, drafts_stride_b, logits_ptr + row * logits_stride_b + positions * logits_stride_j,
         mask_ptr + row * mask_stride_b + positions * mask_stride_j, row, positions, num_drafts, vocab_size, HAS_MASK)
     top, argmax, sum_t, sum_raw, ahead = _combine_chunks(
-        top_ptr, argmax_ptr, sum_t_ptr, sum_raw_ptr, ahead_ptr, (r.to(tl.int64) * (num_drafts + 1) + positions) * num_chunks,
-        live, num_chunks, vocab_size, temperature, STOCHASTIC, RELAXED, CHUNKS_BLOCK)
+        top_ptr, argmax_ptr, sum_t_ptr, sum_raw_ptr, ahead_ptr,
+        (r.to(tl.int64) * (num_drafts + 1) + positions) * num_chunks, live, num_chunks, vocab_size, temperature,
+        STOCHASTIC, RELAXED, CHUNKS_BLOCK)
     eligible = draft_allowed & (top > float("-inf"))
     safe_top = tl.where(eligible, top, 0.0)  # a dead end's top is -inf; its draft is rejected anyway
     accepted = draft == argmax
@@ -232,7 +235,8 @@ def _walk_kernel(
         p_draft = tl.where(draft_logit >= threshold, p_draft, 0.0)
         q_draft = 1.0
         if HAS_Q:
-            q_draft = tl.load(q_ptr + row * q_stride_b + positions * q_stride_j + draft, mask=draft_ok, other=1.0).to(tl.float32)
+            q_rows = q_ptr + row * q_stride_b + positions * q_stride_j
+            q_draft = tl.load(q_rows + draft, mask=draft_ok, other=1.0).to(tl.float32)
         accepted = tl.where(stochastic, (p_draft > 0) & (u * q_draft <= p_draft), accepted)
     if RELAXED:
         thinking = tl.load(thinking_ptr + row * thinking_stride_b + positions, mask=live, other=0) != 0
@@ -315,7 +319,8 @@ def _race_winner(key_ptr, id_ptr, base, num_chunks, vocab_size, CHUNKS_BLOCK: tl
     valid = chunks < num_chunks
     keys = tl.load(key_ptr + base + chunks, mask=valid, other=float("-inf"))
     best = tl.max(keys, 0)
-    return best, tl.min(tl.where(valid & (keys == best), tl.load(id_ptr + base + chunks, mask=valid, other=0), vocab_size), 0)
+    ids = tl.load(id_ptr + base + chunks, mask=valid, other=0)
+    return best, tl.min(tl.where(valid & (keys == best), ids, vocab_size), 0)
 
 
 @triton.jit
@@ -380,7 +385,7 @@ def accept_triton(
         block = min(MAX_BLOCK, triton.next_power_of_2(vocab_size))
         num_chunks = triton.cdiv(vocab_size, block)
         has_min_p = stochastic and sampling.any_min_p
-        # Per (row, position, chunk): max (min-p only), top, sum_t, sum_raw; argmax, ahead. Per (row, chunk): race keys and ids.
+        # Per (row, position, chunk): max (min-p only), top, sum_t, sum_raw; argmax, ahead.
         stats = torch.empty(4, num_kernel_rows, num_positions, num_chunks, dtype=torch.float32, device=device)
         stat_ids = torch.empty(2, num_kernel_rows, num_positions, num_chunks, dtype=torch.int32, device=device)
         inputs = (logits, logits.stride(0), logits.stride(1), _or(mask, dummy), *_strides(mask, 2))
@@ -391,7 +396,8 @@ def accept_triton(
         warps = 8 if block >= 2048 else 4
         tiles = dict(BLOCK=block, ROW=min(32, block))
         if has_min_p:
-            _chunk_max_kernel[grid](*inputs, row_ids, stats[0], num_chunks, vocab_size, **flags, **tiles, num_warps=warps)
+            _chunk_max_kernel[grid](*inputs, row_ids, stats[0], num_chunks, vocab_size, **flags, **tiles,
+                                    num_warps=warps)
         _chunk_stats_kernel[grid](
             *inputs, drafts, drafts.stride(0), temperature, min_p, seed, row_ids,
             stats[0], stats[1], stat_ids[0], stats[2], stats[3], stat_ids[1],
@@ -399,14 +405,15 @@ def accept_triton(
             **flags, STOCHASTIC=stochastic, HAS_MIN_P=has_min_p, RELAXED=thinking is not None, **tiles,
             CHUNKS_BLOCK=chunks_block, num_warps=warps)
         _walk_kernel[(num_kernel_rows,)](
-            *inputs, drafts, drafts.stride(0), _or(q, dummy), *_strides(q, 2), _or(thinking, dummy), *_strides(thinking, 1),
+            *inputs, drafts, drafts.stride(0), _or(q, dummy), *_strides(q, 2),
+            _or(thinking, dummy), *_strides(thinking, 1),
             temperature, min_p, seed, row_ids, stats[1], stat_ids[0], stats[2], stats[3], stat_ids[1],
             tokens, num_accepted, dead_end,
             num_positions - 1, num_chunks, vocab_size,
             relaxed.top_k if relaxed is not None else 0, float(relaxed.delta) if relaxed is not None else 0.0,
             **flags, HAS_Q=q is not None, STOCHASTIC=stochastic, HAS_MIN_P=has_min_p, RELAXED=thinking is not None,
             CHUNKS_BLOCK=chunks_block, POSITIONS_BLOCK=triton.next_power_of_2(num_positions), num_warps=1)
-        if stochastic:
+        if stochastic:  # per (row, chunk): the race's best keys and their ids, for w and for p
             race = torch.empty(2, num_kernel_rows, num_chunks, dtype=torch.float32, device=device)
             race_ids = torch.empty(2, num_kernel_rows, num_chunks, dtype=torch.int32, device=device)
             _race_kernel[(num_chunks, num_kernel_rows)](
