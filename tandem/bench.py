@@ -50,8 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    report = {"benchmark": "tandem bench", "device": args.device, "threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
-              "prompts": args.prompts, "repeats": args.repeats, "models": {}}
+    from tandem.llm import resolve_device
+
+    report = {"benchmark": "tandem bench", "device": resolve_device(args.device), "threads": torch.get_num_threads(),
+              "max_tokens": args.max_tokens, "prompts": args.prompts, "repeats": args.repeats, "models": {}}
     for model in args.models:
         report["models"][model] = _bench_model(model, args)
     print(json.dumps(report))

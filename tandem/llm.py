@@ -43,7 +43,7 @@ class LLM:
         from tandem.models.loading import load_draft, load_target
 
         self.model_path = resolve_model(model)
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        device = resolve_device(device)
         if dtype is None and torch.device(device).type == "cpu":
             dtype = torch.float32  # CPUs without native bf16 matmuls run a bf16 checkpoint faster in fp32
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -122,6 +122,11 @@ def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
+
+
+def resolve_device(device: str) -> str:
+    """`device`, with "auto" read as cuda when there is a GPU, else cpu."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
 def resolve_model(model: str | Path) -> Path:

@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from tandem import LLM, RelaxedAcceptance, SamplingParams, cli
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
-from tandem.llm import resolve_model
+from tandem.llm import resolve_device, resolve_model
 
 EXAMPLES = generate_examples(4, seed=21, split="heldout")
 
@@ -112,6 +112,11 @@ def test_cli_bench_compares_the_paths_in_one_json_line(capsys):
     ratio_range = report["models"]["demo-llama"]["ratio_range"]
     assert ratio_range.keys() == ratios.keys()
     assert all(low <= ratios[name] <= high for name, (low, high) in ratio_range.items())
+
+
+def test_auto_device_is_cuda_exactly_when_there_is_a_gpu():
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"
 
 
 def test_bench_runs_the_transformers_peer_on_tandems_device_and_dtype():
