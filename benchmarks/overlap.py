@@ -49,13 +49,13 @@ def trace_summary(trace: dict) -> dict:
     kernels = [e for e in events if e["cat"] == "kernel"]
     copies = [e for e in events if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]]
     streams: dict[int, dict] = {}
-    for copy in copies:
-        stream = copy["args"].get("stream")
-        others = _intervals([k for k in kernels if k["args"].get("stream") != stream])
-        row = streams.setdefault(stream, {"copies": 0, "copy_us": 0.0, "overlapped_us": 0.0})
-        row["copies"] += 1
-        row["copy_us"] += copy["dur"]
-        row["overlapped_us"] += _covered(copy["ts"], copy["ts"] + copy["dur"], others)
+    for stream in {copy["args"].get("stream") for copy in copies}:
+        others = _intervals([k for k in kernels if k["args"].get("stream") != stream])  # kernels it may hide behind
+        row = streams[stream] = {"copies": 0, "copy_us": 0.0, "overlapped_us": 0.0}
+        for copy in (c for c in copies if c["args"].get("stream") == stream):
+            row["copies"] += 1
+            row["copy_us"] += copy["dur"]
+            row["overlapped_us"] += _covered(copy["ts"], copy["ts"] + copy["dur"], others)
     for row in streams.values():
         row["overlapped_fraction"] = round(row.pop("overlapped_us") / max(row["copy_us"], 1e-9), 3)
         row["copy_us"] = round(row["copy_us"], 1)
