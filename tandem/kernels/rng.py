@@ -54,8 +54,8 @@ def exponential(state, counter, FAST_LOG: tl.constexpr):
     cancellation near 1 would wreck exactly the small E that decide which unlikely token wins;
     1 - w is formed from the bits directly, so it is exact where it is small (large E).
     FAST_LOG (compiled kernels only; the interpreter has no libdevice) takes that log with the
-    hardware's approximate lg2, which errs by < 3e-6 relative on E >= 0.06 and spares the race
-    most of its arithmetic.
+    hardware's approximate lg2, which errs by < 3e-6 relative on E >= 0.06 (the race kernel: 44 ->
+    36 us for 64 rows of 128,256 tokens on an H100).
     """
     bits = random_bits(state, counter)
     w = (bits.to(tl.float32) + 0.5) * 5.9604644775390625e-08
