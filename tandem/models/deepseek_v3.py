@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.models.base import ForwardBatch, KVCache, Target, TargetOutput, default_aux_layer_ids
-from tandem.models.layers import GatedMLP, MergedLinear, RMSNorm
+from tandem.models.layers import GatedMLP, Linear, MergedLinear, RMSNorm, widened
 from tandem.models.llama3 import RaggedLayout
 from tandem.models.loading import TakeFn, WeightReader, load_module, load_param
 from tandem.models.moe import DeepseekMoE
@@ -94,16 +94,16 @@ class MultiHeadLatentAttention(nn.Module):
         eps = config.get("rms_norm_eps", 1e-6)
         q_out, kv_a_out = self.num_heads * (self.nope_dim + self.rope_dim), self.kv_rank + self.rope_dim
         if self.q_rank is None:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False, **factory)
-            self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_a_out, bias=bias, **factory)
+            self.q_proj = Linear(hidden, q_out, bias=False, **factory)
+            self.kv_a_proj_with_mqa = Linear(hidden, kv_a_out, bias=bias, **factory)
         else:  # both down-projections read x: one matmul
             parts = {"q_a_proj": self.q_rank, "kv_a_proj_with_mqa": kv_a_out}
             self.qkv_a_proj = MergedLinear(hidden, parts, bias=bias, **factory)
             self.q_a_layernorm = RMSNorm(self.q_rank, eps=eps, **factory)
-            self.q_b_proj = nn.Linear(self.q_rank, q_out, bias=False, **factory)
+            self.q_b_proj = Linear(self.q_rank, q_out, bias=False, **factory)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, eps=eps, **factory)
-        self.kv_b_proj = nn.Linear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False, **factory)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias, **factory)
+        self.kv_b_proj = Linear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False, **factory)
+        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias, **factory)
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5 * softmax_scale_factor
 
     def forward(
@@ -123,7 +123,7 @@ class MultiHeadLatentAttention(nn.Module):
         latent_cache[layout.token_slots, positions] = torch.cat(
             [self.kv_a_layernorm(latent), apply_interleaved_rotary(k_pe, *rope)], dim=-1
         ).to(latent_cache.dtype)
-        kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        kv_b = widened(self.kv_b_proj.weight, x).view(self.num_heads, self.nope_dim + self.v_dim, self.kv_rank)
         q_latent = torch.einsum("thn,hnr->thr", q_nope, kv_b[:, : self.nope_dim])
         query = torch.cat([q_latent, apply_interleaved_rotary(q_pe, *rope)], dim=-1)  # [T, nh, r + rope]
         out_latent = attend_latent(layout, query, latent_cache, self.kv_rank, self.scale)  # [T, nh, r]
@@ -199,7 +199,7 @@ class DeepseekV3(nn.Module):
         )
         self.norm = RMSNorm(self.hidden_size, eps=config.get("rms_norm_eps", 1e-6), **factory)
         tied = config.get("tie_word_embeddings", False)
-        self.head = None if tied else nn.Linear(self.hidden_size, self.vocab_size, bias=False, **factory)
+        self.head = None if tied else Linear(self.hidden_size, self.vocab_size, bias=False, **factory)
 
     @property
     def latent_dim(self) -> int:
@@ -220,7 +220,7 @@ class DeepseekV3(nn.Module):
     def lm_head(self, hidden: Tensor) -> Tensor:
         """``hidden: [N, H]`` (already normed) -> ``[N, V] float32``; the embedding matrix when tied."""
         weight = self.embed_tokens.weight if self.head is None else self.head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, widened(weight, hidden)).float()
 
     @torch.inference_mode()
     def forward(

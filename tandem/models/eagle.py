@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.models.base import DraftInput, DraftProposal, ForwardBatch, KVCache, Target
+from tandem.models.layers import Linear
 from tandem.models.llama3 import DecoderLayer, RaggedLayout, Rotary, check_activation, kv_entry_shape
 from tandem.models.loading import WeightReader, load_module
 
@@ -77,20 +78,21 @@ class Eagle(nn.Module):
         hidden = config["hidden_size"]
         # Bound methods, not the module: the target must not become a submodule of the draft.
         self.target_embed, self.target_lm_head = target.embed, target.lm_head
-        self.fc = nn.Linear(2 * hidden, hidden, bias=bool(config.get("bias", True)), **factory)
+        self.dtype = dtype
+        self.fc = Linear(2 * hidden, hidden, bias=bool(config.get("bias", True)), **factory)
         self.layers = nn.ModuleList([DecoderLayer(config, input_layernorm=False, **factory)])
         self.rotary = Rotary(config, self.layers[0].self_attn.head_dim, dtype)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """One layer ``[num_slots, max_len, 2, nkv, head_dim]``, first position 1."""
         entry = kv_entry_shape(self.layers[0].self_attn)
-        weight = self.fc.weight
-        return KVCache.allocate(1, num_slots, max_len, entry, dtype=weight.dtype, device=weight.device, first_position=1)
+        device = self.fc.weight.device
+        return KVCache.allocate(1, num_slots, max_len, entry, dtype=self.dtype, device=device, first_position=1)
 
     def step(self, batch: ForwardBatch, features: Tensor, cache: KVCache) -> Tensor:
         """``features [T, H]`` (target hidden or the draft's own output) -> draft output ``[T, H]``."""
         cache.begin_forward(batch)
-        x = self.fc(torch.cat([self.target_embed(batch.input_ids), features.to(self.fc.weight.dtype)], dim=-1))
+        x = self.fc(torch.cat([self.target_embed(batch.input_ids), features.to(self.dtype)], dim=-1))
         layout = RaggedLayout.build(batch, first_position=cache.first_position)
         return self.layers[0](x, batch.positions, self.rotary(batch.positions), layout, cache.layers[0])
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from tandem.models.base import DraftInput, DraftProposal, ForwardBatch, KVCache, Target
 from tandem.models.eagle import check_pair, propose_chained
-from tandem.models.layers import GatedMLP, RMSNorm, checkpoint_tensors
+from tandem.models.layers import GatedMLP, Linear, RMSNorm, checkpoint_tensors
 from tandem.models.llama3 import Attention, RaggedLayout, Rotary, check_activation, kv_entry_shape
 from tandem.models.loading import CheckpointError, WeightReader, load_param
 
@@ -86,10 +86,11 @@ class Eagle3(nn.Module):
         self.target_vocab_size = target.vocab_size
         # Bound method, not the module: the target must not become a submodule of the draft.
         self.target_embed = target.embed
-        self.fc = nn.Linear(len(target.aux_layer_ids) * target_hidden, hidden, bias=False, **factory)
+        self.dtype = dtype
+        self.fc = Linear(len(target.aux_layer_ids) * target_hidden, hidden, bias=False, **factory)
         self.midlayer = MidLayer(config, **factory)
         self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6), **factory)
-        self.lm_head = nn.Linear(hidden, self.draft_vocab_size, bias=False, **factory)
+        self.lm_head = Linear(hidden, self.draft_vocab_size, bias=False, **factory)
         # draft id d -> target id d + d2t[d]: [draft_V] int64, set by `build` from the checkpoint's d2t
         self.target_ids = nn.Buffer(torch.arange(self.draft_vocab_size, device=device), persistent=False)
         self.rotary = Rotary(config, self.midlayer.self_attn.head_dim, dtype)
@@ -97,8 +98,8 @@ class Eagle3(nn.Module):
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """One layer ``[num_slots, max_len, 2, nkv, head_dim]``, first position 1."""
         entry = kv_entry_shape(self.midlayer.self_attn)
-        weight = self.fc.weight
-        return KVCache.allocate(1, num_slots, max_len, entry, dtype=weight.dtype, device=weight.device, first_position=1)
+        device = self.fc.weight.device
+        return KVCache.allocate(1, num_slots, max_len, entry, dtype=self.dtype, device=device, first_position=1)
 
     def step(self, batch: ForwardBatch, hidden: Tensor, cache: KVCache) -> Tensor:
         """``hidden [T, H]`` (``fc`` output or the previous pre-norm output) -> pre-norm hidden ``[T, H]``."""
@@ -122,7 +123,7 @@ class Eagle3(nn.Module):
         if inp.hidden is None or inp.hidden.shape[-1] != self.fc.in_features:
             shape = None if inp.hidden is None else tuple(inp.hidden.shape)
             raise ValueError(f"EAGLE-3 needs the target's aux_hidden [T, {self.fc.in_features}], got {shape}")
-        fused = self.fc(inp.hidden.to(self.fc.weight.dtype))
+        fused = self.fc(inp.hidden.to(self.dtype))
         tokens = propose_chained(self.step, self.target_logits, inp, fused, cache, num_tokens)
         return DraftProposal(tokens=tokens, probs=None)
 

@@ -6,6 +6,12 @@
 column-parallel layers). On small models most of a decode step is per-op overhead, so every
 op saved counts. :func:`checkpoint_tensors` names each parameter by its checkpoint key, a merged
 weight by its parts' keys, which keeps loading one pass over the module.
+
+Matmul weights may be stored narrower than the model computes: :func:`narrow_exact_weights`
+keeps in bfloat16 every one that bfloat16 holds exactly (all of a bfloat16 checkpoint's in a
+float32 model), and the layers widen them per call (:func:`widened`), so the results are
+bit-identical. On the CPU a small model's decode step is bound by the last-level cache: half the
+bytes make a float32 model's fp32 weights fit there (the Llama demo's step: 7.2 -> 5.6 ms).
 """
 
 from __future__ import annotations
@@ -31,6 +37,20 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
+def widened(weight: Tensor, like: Tensor) -> Tensor:
+    """``weight`` in ``like``'s dtype (a copy only when it is stored narrower: :func:`narrow_exact_weights`)."""
+    return weight if weight.dtype == like.dtype else weight.to(like.dtype)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight may be stored narrower than it computes: ``x: [T, in] -> [T, out]``."""
+
+    narrowable = ("weight",)  # the parameters `narrow_exact_weights` may store narrower
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, widened(self.weight, x), self.bias)
+
+
 class MergedLinear(nn.Module):
     """Linears over one input stored as a single ``[sum(out), in]`` weight: ``x: [T, in] -> [T, sum(out)]``,
     the parts' outputs side by side in order (``.split(self.sizes, -1)`` separates them).
@@ -46,8 +66,10 @@ class MergedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features, **factory))
         self.bias = nn.Parameter(torch.empty(sum(self.sizes), **factory)) if bias else None
 
+    narrowable = ("weight",)
+
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, widened(self.weight, x), self.bias)
 
     def part_tensors(self, prefix: str) -> Iterator[tuple[str, Tensor]]:
         """``(checkpoint key, view of the merged parameter)`` for each part's weight (and bias)."""
@@ -66,11 +88,29 @@ class GatedMLP(nn.Module):
         super().__init__()
         parts = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = MergedLinear(hidden_size, parts, bias=bias, **factory)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **factory)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, **factory)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+@torch.no_grad()
+def narrow_exact_weights(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Store in ``dtype`` every parameter that a submodule lists in its ``narrowable`` attribute and
+    that ``dtype`` holds exactly; the others keep theirs. Returns how many were narrowed.
+
+    Exact, so the model computes what it computed before: its layers widen the weights per call.
+    """
+    narrowed = 0
+    for child in module.modules():
+        for name in getattr(child, "narrowable", ()):
+            param = getattr(child, name)
+            narrow = param.to(dtype)
+            if param.dtype != dtype and torch.equal(narrow.to(param.dtype), param):
+                setattr(child, name, nn.Parameter(narrow, requires_grad=False))
+                narrowed += 1
+    return narrowed
 
 
 def checkpoint_tensors(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, Tensor]]:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.models.base import ForwardBatch, KVCache, TargetOutput, default_aux_layer_ids
-from tandem.models.layers import GatedMLP, MergedLinear, RMSNorm
+from tandem.models.layers import GatedMLP, Linear, MergedLinear, RMSNorm, widened
 from tandem.models.loading import WeightReader, load_module
 from tandem.models.rope import rope_parameters
 
@@ -173,7 +173,7 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         parts = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
         self.qkv_proj = MergedLinear(input_size or hidden, parts, bias=bias, **factory)
-        self.o_proj = nn.Linear(q_size, hidden, bias=bias, **factory)
+        self.o_proj = Linear(q_size, hidden, bias=bias, **factory)
 
     def forward(
         self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], layout: RaggedLayout, cache: Tensor
@@ -240,7 +240,7 @@ class Llama3(nn.Module):
         factory = {"dtype": dtype, "device": device}
         self.model = _Body(config, **factory)
         self.tied = bool(config.get("tie_word_embeddings", False))
-        self.lm_head_proj = None if self.tied else nn.Linear(self.hidden_size, self.vocab_size, bias=False, **factory)
+        self.lm_head_proj = None if self.tied else Linear(self.hidden_size, self.vocab_size, bias=False, **factory)
         self.rotary = Rotary(config, self.model.layers[0].self_attn.head_dim, dtype)
 
     # Checkpoint key of the head is ``lm_head.weight``; ``lm_head`` itself is the Target method.
@@ -263,7 +263,7 @@ class Llama3(nn.Module):
     def lm_head(self, hidden: Tensor) -> Tensor:
         """``hidden: [N, H]`` (already normed) -> ``[N, V] float32``."""
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head_proj.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, widened(weight, hidden)).float()
 
     def forward(
         self, batch: ForwardBatch, cache: KVCache, *, return_hidden: bool = False, return_aux: bool = False

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tandem.models.layers import GatedMLP
+from tandem.models.layers import GatedMLP, widened
 from tandem.models.loading import TakeFn, load_module, load_param
 
 
@@ -83,7 +83,7 @@ def has_grouped_mm(x: Tensor, weights: Tensor) -> bool:
     """Whether to use ``F.grouped_mm``: off the CPU, where the loop's read of the group ends would make
     the host wait for the device, and only where CUDA's kernel runs (bfloat16, compute capability
     8.0 or later, 16-byte aligned rows; the meta kernels check the same)."""
-    if x.device.type == "cpu" or x.dtype != torch.bfloat16:
+    if x.device.type == "cpu" or x.dtype != torch.bfloat16 or weights.dtype != x.dtype:
         return False
     if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 0):
         return False
@@ -104,7 +104,7 @@ def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor) -> Tensor:
     start = 0
     for group, end in enumerate(ends.tolist()):
         if end > start:
-            torch.mm(x[start:end], weights[group], out=out[start:end])
+            torch.mm(x[start:end], widened(weights[group], x), out=out[start:end])
         start = end
     return out
 
@@ -119,6 +119,8 @@ class RoutedExperts(nn.Module):
         super().__init__()
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
         self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+
+    narrowable = ("gate_up", "down")  # `tandem.models.layers.narrow_exact_weights`
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """``x: [T, H]``, ``weights: [T, k] float32``, ``experts: [T, k] int64`` -> ``[T, H]`` in x's dtype."""

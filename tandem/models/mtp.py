@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from tandem.models.base import DraftInput, DraftProposal, ForwardBatch, KVCache, Target
 from tandem.models.deepseek_v3 import DecoderLayer, check_config
 from tandem.models.eagle import propose_chained
-from tandem.models.layers import RMSNorm
+from tandem.models.layers import Linear, RMSNorm
 from tandem.models.llama3 import RaggedLayout
 from tandem.models.loading import CheckpointError, TakeFn, WeightReader, load_param
 from tandem.models.rope import RotaryEmbedding
@@ -68,10 +68,11 @@ class MultiTokenPredictor(nn.Module):
         self.rope = RotaryEmbedding(config, config["qk_rope_head_dim"])
         self.enorm = RMSNorm(hidden, eps=eps, **factory)
         self.hnorm = RMSNorm(hidden, eps=eps, **factory)
-        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False, **factory)
+        self.eh_proj = Linear(2 * hidden, hidden, bias=False, **factory)
         self.layer = DecoderLayer(config, self.layer_id, self.rope.softmax_scale_factor, **factory)
         self.shared_head_norm = RMSNorm(hidden, eps=eps, **factory)
         self._embed, self._lm_head = target.embed, target.lm_head
+        self.dtype = dtype
 
     @property
     def prefix(self) -> str:
@@ -83,10 +84,8 @@ class MultiTokenPredictor(nn.Module):
 
         Entries start at position 1: position 0 has no previous hidden state to pair with.
         """
-        weight = self.eh_proj.weight
-        return KVCache.allocate(
-            1, num_slots, max_len, (self.latent_dim,), dtype=weight.dtype, device=weight.device, first_position=1
-        )
+        return KVCache.allocate(1, num_slots, max_len, (self.latent_dim,), dtype=self.dtype,
+                                device=self.eh_proj.weight.device, first_position=1)
 
     def step(self, batch: ForwardBatch, hidden: Tensor, cache: KVCache) -> Tensor:
         """Run the MTP layer on pairs ``(hidden [T, H], batch.input_ids [T])``; returns ``g: [T, H]`` pre-norm."""

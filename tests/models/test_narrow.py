@@ -1,0 +1,76 @@
+"""Matmul weights stored in bfloat16 and widened per call (`narrow_exact_weights`): the shipped demo
+checkpoints are bfloat16, so a float32 model narrowed from them computes bit-identical logits and
+drafts; weights bfloat16 cannot hold exactly keep their dtype."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tandem.assets import ASSETS_DIR
+from tandem.llm import LLM
+from tandem.models import ForwardBatch, load_draft, load_target
+from tandem.models.base import DraftInput
+from tandem.models.layers import Linear, MergedLinear, RMSNorm, narrow_exact_weights
+from tandem.models.moe import RoutedExperts
+
+PAIRS = [("demo-llama", ASSETS_DIR / "demo-llama-eagle3"), ("demo-llama", ASSETS_DIR / "demo-llama-eagle"),
+         ("demo-deepseek", "mtp")]
+
+
+def narrowable_dtypes(module: torch.nn.Module) -> dict[str, torch.dtype]:
+    return {f"{type(m).__name__}.{name}": getattr(m, name).dtype
+            for m in module.modules() for name in getattr(m, "narrowable", ())}
+
+
+@pytest.mark.parametrize("model, draft_kind", PAIRS, ids=lambda p: getattr(p, "name", p))
+@torch.inference_mode()
+def test_narrowed_target_and_draft_compute_bit_identical_results(model, draft_kind):
+    target = load_target(ASSETS_DIR / model, dtype=torch.float32)
+    draft = load_draft(draft_kind, target)
+    wide_target, wide_draft = copy.deepcopy((target, draft))  # one copy: the draft's copy uses the target's
+    assert narrow_exact_weights(target) > 0 and narrow_exact_weights(draft) > 0
+    assert set(narrowable_dtypes(target).values()) == set(narrowable_dtypes(draft).values()) == {torch.bfloat16}
+    norms = [m.weight.dtype for model in (target, draft) for m in model.modules() if isinstance(m, RMSNorm)]
+    assert set(norms) == {torch.float32}  # only matmul weights are narrowed
+
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(8, target.vocab_size, (n,), generator=g).tolist() for n in (9, 5)]
+    results = []
+    for t, d in ((target, draft), (wide_target, wide_draft)):
+        cache, draft_cache = t.new_cache(2, 32), d.new_cache(2, 32)
+        prefill = ForwardBatch.from_rows(rows, [0, 0], [0, 1])
+        out = t.forward(prefill, cache, return_hidden=d.hidden_kind == "last", return_aux=d.hidden_kind == "aux")
+        hidden = out.hidden if d.hidden_kind == "last" else out.aux_hidden
+        tail = ForwardBatch.from_rows([row[1:] for row in rows], [1, 1], [0, 1])  # (h_{p-1}, x_p) pairs
+        ends = {len(rows[0]) - 1, len(hidden) - 1}  # each row's last position pairs with no token yet
+        keep = torch.tensor([i for i in range(len(hidden)) if i not in ends])
+        proposal = d.propose(DraftInput(tail, hidden[keep], None), draft_cache, 4)
+        results.append((out.logits, hidden, proposal.tokens))
+    for narrow, wide in zip(*results):
+        assert torch.equal(narrow, wide)
+
+
+def test_weights_bfloat16_cannot_hold_keep_their_dtype():
+    layers = torch.nn.Sequential(Linear(4, 3), MergedLinear(4, {"a": 2, "b": 1}), RoutedExperts(4, 2, 3))
+    with torch.no_grad():
+        for param in layers.parameters():
+            param.copy_(torch.randn(param.shape).bfloat16().float())
+        layers[0].weight[0, 0] = 1 + 2**-20  # needs more mantissa than bfloat16's 8 bits
+    assert narrow_exact_weights(layers) == 3
+    assert narrowable_dtypes(layers) == {"Linear.weight": torch.float32, "MergedLinear.weight": torch.bfloat16,
+                                         "RoutedExperts.gate_up": torch.bfloat16,
+                                         "RoutedExperts.down": torch.bfloat16}
+    assert layers[0].bias.dtype == torch.float32  # biases are not listed
+    x = torch.randn(2, 4)
+    assert layers[1](x).dtype == torch.float32
+
+
+def test_llm_narrows_a_float32_model_on_the_cpu_only():
+    llm = LLM("demo-llama", "eagle3", device="cpu")
+    assert set(narrowable_dtypes(llm.target).values()) == {torch.bfloat16}
+    assert set(narrowable_dtypes(llm.draft).values()) == {torch.bfloat16}
+    bf16 = LLM("demo-llama", device="cpu", dtype=torch.bfloat16)  # nothing narrower to keep
+    assert set(narrowable_dtypes(bf16.target).values()) == {torch.bfloat16}
