@@ -67,17 +67,17 @@ def attend_latent(layout: RaggedLayout, query: Tensor, latent_cache: Tensor, val
     Returns:
         ``[T, nh, value_dim]`` in the query's dtype.
     """
-    num_rows, max_query, num_keys = len(layout.slots), layout.max_query, layout.num_keys
+    num_rows, max_query = len(layout.slots), layout.max_query
     num_heads, dim = query.shape[1:]
     keys = layout.cache_rows(latent_cache).unsqueeze(1)  # [B, 1, Lmax, D]
     # Heads fold into the query axis: one shared key/value head, as in MQA.
-    mask = layout.visible
-    if mask is not None:
-        mask = mask[..., None, :].expand(-1, -1, -1, num_heads, -1).reshape(num_rows, 1, -1, num_keys)
-    out = F.scaled_dot_product_attention(
-        layout.to_grid(query).view(num_rows, 1, max_query * num_heads, dim), keys, keys[..., :value_dim], mask,
-        scale=scale,
-    )
+    grid = layout.to_grid(query).view(num_rows, 1, max_query * num_heads, dim)
+    mask = layout.attention_mask(query.dtype, repeats=num_heads)
+    if query.device.type == "cpu":  # sdpa's CPU kernels take this value size for its math fallback: 9 ops, not 4
+        scores = torch.matmul(grid, keys.transpose(-1, -2)).mul_(scale)  # [B, 1, Qmax * nh, Lmax]
+        out = torch.matmul((scores if mask is None else scores.add_(mask)).softmax(-1), keys[..., :value_dim])
+    else:
+        out = F.scaled_dot_product_attention(grid, keys, keys[..., :value_dim], mask, scale=scale)
     return layout.from_grid(out.view(num_rows, max_query, num_heads, value_dim))
 
 

@@ -32,8 +32,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == self.weight.dtype == torch.float32:  # the same arithmetic, one call
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == self.weight.dtype == torch.float32:  # fewer ops than F.rms_norm's eight, on a small model the cost
+            scale = torch.linalg.vecdot(x, x).unsqueeze_(-1).mul_(1 / x.shape[-1]).add_(self.eps).rsqrt_()
+            return (x * scale).mul_(self.weight)
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 

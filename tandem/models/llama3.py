@@ -16,7 +16,7 @@ stacked ``(K, V)``: ``[2, num_key_value_heads, head_dim]``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,29 +50,39 @@ def rope_inv_freq(config: dict[str, Any], head_dim: int) -> Tensor:
 
 
 class Rotary:
-    """Half-split (GPT-NeoX layout) RoPE, as HF Llama checkpoints expect. Not an ``nn.Module``: no weights."""
+    """Half-split (GPT-NeoX layout) RoPE, as HF Llama checkpoints expect. Not an ``nn.Module``: no weights.
+
+    Each position's rotation is built once per forward as a ``[head_dim, head_dim]`` matrix that
+    every layer applies to all its rotated heads in one ``bmm`` (:func:`apply_rotary`): on small
+    models a step is paid per op, and HF's ``x * cos + rotate_half(x) * sin`` takes four. Each
+    output is the same two products summed (the other terms are exact zeros).
+    """
 
     def __init__(self, config: dict[str, Any], head_dim: int, dtype: torch.dtype):
         inv_freq = rope_inv_freq(config, head_dim)
         self.inv_freq = torch.cat([inv_freq, inv_freq])  # [head_dim]: both halves rotate by the same angles
         self.sin_sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])
+        # rotate_half as a matrix: x @ half_turn == roll(x, head_dim // 2)
+        self.half_turn = torch.eye(head_dim).roll(head_dim // 2, dims=0)
         self.dtype = dtype
 
-    def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """``positions: [T] int64`` -> ``(cos, signed sin)``, each ``[T, 1, head_dim]`` in the model's dtype.
+    def __call__(self, positions: Tensor) -> Tensor:
+        """``positions: [T] int64`` -> the rotations ``[T, head_dim, head_dim]`` in the model's dtype.
 
-        Computed in float32 and then cast, like HF. The sine's first half is negated, which turns
-        the rotation into :func:`apply_rotary`'s roll: ``rotate_half(x) * sin == roll(x) * signed sin``.
+        Computed in float32 and then cast, like HF: ``x @ R == x * cos + rotate_half(x) * sin``, with
+        ``R = diag(cos) + half_turn * signed sin`` (the sine's first half negated).
         """
         if self.inv_freq.device != positions.device:  # follows the model to its device once
-            self.inv_freq, self.sin_sign = self.inv_freq.to(positions.device), self.sin_sign.to(positions.device)
-        angles = positions.to(torch.float32)[:, None, None] * self.inv_freq  # [T, 1, head_dim]
-        return angles.cos().to(self.dtype), (angles.sin() * self.sin_sign).to(self.dtype)
+            self.inv_freq, self.sin_sign, self.half_turn = (
+                t.to(positions.device) for t in (self.inv_freq, self.sin_sign, self.half_turn))
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq  # [T, head_dim]
+        cos, signed_sin = angles.cos().to(self.dtype), (angles.sin() * self.sin_sign).to(self.dtype)
+        return torch.diag_embed(cos) + self.half_turn.to(self.dtype) * signed_sin[:, None, :]
 
 
-def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """Rotate ``x: [T, heads, head_dim]`` by :class:`Rotary`'s ``(cos, signed sin) [T, 1, head_dim]``."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+def apply_rotary(x: Tensor, rotations: Tensor) -> Tensor:
+    """Rotate ``x: [T, heads, head_dim]`` by :class:`Rotary`'s ``rotations [T, head_dim, head_dim]``."""
+    return torch.bmm(x, rotations)
 
 
 @dataclass
@@ -95,6 +105,7 @@ class RaggedLayout:
     max_query: int
     key_start: int  # position of the first key
     max_key: int  # one past the position of the last key
+    _masks: dict[tuple, Tensor] = field(default_factory=dict, repr=False)  # attention_mask's, per (dtype, repeats)
 
     @property
     def num_keys(self) -> int:
@@ -125,6 +136,24 @@ class RaggedLayout:
         first_slot = slots[0] if slots == list(range(slots[0], slots[0] + num_rows)) else None
         return cls(token_slots, batch.slots, grid_index, first_slot, visible, max_query, first_position, max_key)
 
+    def attention_mask(self, dtype: torch.dtype, repeats: int = 1) -> Tensor | None:
+        """``visible`` as ``scaled_dot_product_attention``'s additive mask (0 or -inf) in ``dtype``,
+        ``[B, 1, Qmax * repeats, num_keys]`` with each query's row repeated ``repeats`` times (MLA
+        folds its heads into the query axis); None when every query sees every key.
+
+        Built by the first layer that asks and kept for the others: sdpa would convert a bool mask,
+        and MLA expand it, in every layer.
+        """
+        if self.visible is None:
+            return None
+        if (dtype, repeats) not in self._masks:
+            visible = self.visible
+            if repeats > 1:
+                visible = visible[..., None, :].expand(-1, -1, -1, repeats, -1).flatten(2, 3)
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            self._masks[dtype, repeats] = mask.masked_fill_(~visible, float("-inf"))
+        return self._masks[dtype, repeats]
+
     def to_grid(self, x: Tensor) -> Tensor:
         """``[T, ...]`` -> ``[B, Qmax, ...]`` (padding zero-filled)."""
         if self.grid_index is None:
@@ -151,7 +180,7 @@ class RaggedLayout:
         kv = self.cache_rows(cache)  # [B, Lmax, 2, nkv, d]
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, nkv, Lmax, d]
         out = F.scaled_dot_product_attention(
-            self.to_grid(q).transpose(1, 2), k, v, attn_mask=self.visible, scale=scale, enable_gqa=True
+            self.to_grid(q).transpose(1, 2), k, v, attn_mask=self.attention_mask(q.dtype), scale=scale, enable_gqa=True
         )  # [B, nh, Qmax, d]
         return self.from_grid(out.transpose(1, 2))
 
@@ -175,13 +204,12 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(input_size or hidden, parts, bias=bias, **factory)
         self.o_proj = Linear(q_size, hidden, bias=bias, **factory)
 
-    def forward(
-        self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], layout: RaggedLayout, cache: Tensor
-    ) -> Tensor:
-        """Write the batch's K/V at ``positions [T]`` of ``cache [slots, max_len, 2, nkv, d]``, then attend."""
+    def forward(self, x: Tensor, positions: Tensor, rope: Tensor, layout: RaggedLayout, cache: Tensor) -> Tensor:
+        """Write the batch's K/V at ``positions [T]`` of ``cache [slots, max_len, 2, nkv, d]``, then attend
+        (``rope``: :class:`Rotary`'s rotations ``[T, d, d]``)."""
         rotated_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(len(x), -1, self.head_dim)  # [T, nh + 2 nkv, d]
-        q, k = apply_rotary(qkv[:, :rotated_heads], *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rotary(qkv[:, :rotated_heads], rope).split([self.num_heads, self.num_kv_heads], dim=1)
         kv = torch.cat([k, qkv[:, rotated_heads:]], dim=1).view(len(x), 2, self.num_kv_heads, self.head_dim)
         cache[layout.token_slots, positions] = kv.to(cache.dtype)
         out = layout.attend(q, cache, self.head_dim**-0.5)
@@ -204,9 +232,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
         self.mlp = GatedMLP(hidden, config["intermediate_size"], bias=bool(config.get("mlp_bias", False)), **factory)
 
-    def forward(
-        self, x: Tensor, positions: Tensor, rope: tuple[Tensor, Tensor], layout: RaggedLayout, cache: Tensor
-    ) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, rope: Tensor, layout: RaggedLayout, cache: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, layout, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
