@@ -57,6 +57,14 @@ def check_config(config: dict[str, Any]) -> None:
         raise ValueError("quantized (e.g. FP8) DeepSeek-V3 checkpoints are not supported: dequantize to bf16 first")
 
 
+def softmax_attention(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, *, scale: float) -> Tensor:
+    """``scaled_dot_product_attention``'s arithmetic in four ops: ``query [..., Q, D]``, ``keys [..., L, D]``,
+    ``values [..., L, Dv]``, additive ``mask [..., Q, L]`` -> ``[..., Q, Dv]``. On the CPU, sdpa runs its
+    nine-op math fallback for values narrower than the keys (MLA's latents)."""
+    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scale)
+    return torch.matmul((scores if mask is None else scores.add_(mask)).softmax(-1), values)
+
+
 def attend_latent(layout: RaggedLayout, query: Tensor, latent_cache: Tensor, value_dim: int, scale: float) -> Tensor:
     """Single-latent-head attention of every query head over its row's slot of cached latents.
 
@@ -71,13 +79,9 @@ def attend_latent(layout: RaggedLayout, query: Tensor, latent_cache: Tensor, val
     num_heads, dim = query.shape[1:]
     keys = layout.cache_rows(latent_cache).unsqueeze(1)  # [B, 1, Lmax, D]
     # Heads fold into the query axis: one shared key/value head, as in MQA.
-    grid = layout.to_grid(query).view(num_rows, 1, max_query * num_heads, dim)
-    mask = layout.attention_mask(query.dtype, repeats=num_heads)
-    if query.device.type == "cpu":  # sdpa's CPU kernels take this value size for its math fallback: 9 ops, not 4
-        scores = torch.matmul(grid, keys.transpose(-1, -2)).mul_(scale)  # [B, 1, Qmax * nh, Lmax]
-        out = torch.matmul((scores if mask is None else scores.add_(mask)).softmax(-1), keys[..., :value_dim])
-    else:
-        out = F.scaled_dot_product_attention(grid, keys, keys[..., :value_dim], mask, scale=scale)
+    attention = softmax_attention if query.device.type == "cpu" else F.scaled_dot_product_attention
+    out = attention(layout.to_grid(query).view(num_rows, 1, max_query * num_heads, dim), keys, keys[..., :value_dim],
+                    layout.attention_mask(query.dtype, repeats=num_heads), scale=scale)
     return layout.from_grid(out.view(num_rows, max_query, num_heads, value_dim))
 
 

@@ -10,8 +10,10 @@ weight by its parts' keys, which keeps loading one pass over the module.
 Matmul weights may be stored narrower than the model computes: :func:`narrow_exact_weights`
 keeps in bfloat16 every one that bfloat16 holds exactly (all of a bfloat16 checkpoint's in a
 float32 model), and the layers widen them per call (:func:`widened`), so the results are
-bit-identical. On the CPU a small model's decode step is bound by the last-level cache: half the
-bytes make a float32 model's fp32 weights fit there (the Llama demo's step: 7.2 -> 5.6 ms).
+bit-identical. A decode step reads every weight once, and on the CPU a small model waits on the
+caches to deliver them: half the bytes (the Llama demo's 27.5 MB of float32 weights become
+13.8 MB, under the ~15 MB of last-level cache one core here gets) took its decode forward from
+7.2 to 6.2 ms.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == self.weight.dtype == torch.float32:  # fewer ops than F.rms_norm's eight, on a small model the cost
+        if x.dtype == self.weight.dtype == torch.float32:  # 5 ops for F.rms_norm's 8 on the CPU: ops are the cost here
             scale = torch.linalg.vecdot(x, x).unsqueeze_(-1).mul_(1 / x.shape[-1]).add_(self.eps).rsqrt_()
             return (x * scale).mul_(self.weight)
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)

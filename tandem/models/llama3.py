@@ -63,7 +63,7 @@ class Rotary:
         self.inv_freq = torch.cat([inv_freq, inv_freq])  # [head_dim]: both halves rotate by the same angles
         self.sin_sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])
         # rotate_half as a matrix: x @ half_turn == roll(x, head_dim // 2)
-        self.half_turn = torch.eye(head_dim).roll(head_dim // 2, dims=0)
+        self.half_turn = torch.eye(head_dim, dtype=dtype).roll(head_dim // 2, dims=0)
         self.dtype = dtype
 
     def __call__(self, positions: Tensor) -> Tensor:
@@ -77,7 +77,7 @@ class Rotary:
                 t.to(positions.device) for t in (self.inv_freq, self.sin_sign, self.half_turn))
         angles = positions.to(torch.float32)[:, None] * self.inv_freq  # [T, head_dim]
         cos, signed_sin = angles.cos().to(self.dtype), (angles.sin() * self.sin_sign).to(self.dtype)
-        return torch.diag_embed(cos) + self.half_turn.to(self.dtype) * signed_sin[:, None, :]
+        return torch.diag_embed(cos) + self.half_turn * signed_sin[:, None, :]
 
 
 def apply_rotary(x: Tensor, rotations: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tandem.models import CheckpointError, ForwardBatch, load_target, moe
-from tandem.models.deepseek_v3 import DeepseekV3
+from tandem.models.deepseek_v3 import DeepseekV3, softmax_attention
 from tandem.models.rope import RotaryEmbedding
 
 TOLERANCE = 1e-4
@@ -188,6 +188,20 @@ def test_grouped_mm_is_used_off_the_cpu_where_its_kernel_runs():
     assert not moe.has_grouped_mm(*operands("meta", torch.bfloat16, out_features=5))  # 10-byte rows
     assert not moe.has_grouped_mm(*operands("meta", torch.float32))
     assert not moe.has_grouped_mm(*operands("cpu", torch.bfloat16))  # the loop: reading counts is free here
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_softmax_attention_is_sdpa_with_narrower_values(masked):
+    """The CPU's MLA attention equals the sdpa call other devices make (values narrower than keys)."""
+    g = torch.Generator().manual_seed(0)
+    query, keys = torch.randn(2, 1, 12, 80, generator=g), torch.randn(2, 1, 9, 80, generator=g)
+    values = keys[..., :64]
+    mask = None
+    if masked:  # causal over the last 4 keys for each of 3 queries folded with 4 heads
+        visible = torch.arange(9) <= torch.arange(5, 8).repeat_interleave(4)[:, None]
+        mask = torch.zeros(2, 1, 12, 9).masked_fill_(~visible, float("-inf"))
+    expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, mask, scale=0.3)
+    torch.testing.assert_close(softmax_attention(query, keys, values, mask, scale=0.3), expected)
 
 
 def test_published_rope_scaling_config_matches_transformers_yarn():
