@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.models.base import ForwardBatch, KVCache, Target, TargetOutput, default_aux_layer_ids
-from tandem.models.layers import GatedMLP, Linear, MergedLinear, RMSNorm, widened
+from tandem.models.layers import GatedMLP, Layer, Linear, MergedLinear, RMSNorm, widened
 from tandem.models.llama3 import RaggedLayout
 from tandem.models.loading import TakeFn, WeightReader, load_module, load_param
 from tandem.models.moe import DeepseekMoE
@@ -85,7 +85,7 @@ def attend_latent(layout: RaggedLayout, query: Tensor, latent_cache: Tensor, val
     return layout.from_grid(out.view(num_rows, max_query, num_heads, value_dim))
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(Layer):
     """MLA with the absorbed form over the latent cache: ``x: [T, H] -> [T, H]``."""
 
     def __init__(self, config: dict[str, Any], softmax_scale_factor: float, **factory):
@@ -139,7 +139,7 @@ class MultiHeadLatentAttention(nn.Module):
         load_module(self, take, prefix)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Layer):
     """Pre-norm residual block: MLA, then a dense SwiGLU MLP or the MoE. ``x: [T, H] -> [T, H]``."""
 
     def __init__(self, config: dict[str, Any], layer_id: int, softmax_scale_factor: float, **factory):

@@ -30,14 +30,14 @@ from torch import Tensor, nn
 
 from tandem.models.base import DraftInput, DraftProposal, ForwardBatch, KVCache, Target
 from tandem.models.eagle import check_pair, propose_chained
-from tandem.models.layers import GatedMLP, Linear, RMSNorm, checkpoint_tensors
+from tandem.models.layers import GatedMLP, Layer, Linear, RMSNorm, checkpoint_tensors
 from tandem.models.llama3 import Attention, RaggedLayout, Rotary, check_activation, kv_entry_shape
 from tandem.models.loading import CheckpointError, WeightReader, load_param
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.")  # checkpoint prefix of our ``midlayer.``
 
 
-class MidLayer(nn.Module):
+class MidLayer(Layer):
     """EAGLE-3's decoder layer: attention over ``cat(normed embedding, normed hidden)``. ``-> [T, H]``."""
 
     def __init__(self, config: dict[str, Any], **factory):

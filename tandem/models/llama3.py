@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.models.base import ForwardBatch, KVCache, TargetOutput, default_aux_layer_ids
-from tandem.models.layers import GatedMLP, Linear, MergedLinear, RMSNorm, widened
+from tandem.models.layers import GatedMLP, Layer, Linear, MergedLinear, RMSNorm, widened
 from tandem.models.loading import WeightReader, load_module
 from tandem.models.rope import rope_parameters
 
@@ -185,7 +185,7 @@ class RaggedLayout:
         return self.from_grid(out.transpose(1, 2))
 
 
-class Attention(nn.Module):
+class Attention(Layer):
     """GQA self-attention writing into and reading from a slot cache. ``x: [T, input_size] -> [T, H]``.
 
     ``input_size`` is the hidden size except in EAGLE-3's draft layer (2 * hidden). The q/k/v
@@ -221,7 +221,7 @@ def check_activation(config: dict[str, Any]) -> None:
         raise ValueError(f"Llama config hidden_act={config['hidden_act']!r} is not supported (expected 'silu')")
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Layer):
     """Pre-norm Llama block ``x: [T, H] -> [T, H]``. EAGLE-1's draft layer has no ``input_layernorm``."""
 
     def __init__(self, config: dict[str, Any], *, input_layernorm: bool = True, **factory):

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tandem.models.layers import GatedMLP, widened
+from tandem.models.layers import GatedMLP, Layer, widened
 from tandem.models.loading import TakeFn, load_module, load_param
 
 
-class GroupLimitedRouter(nn.Module):
+class GroupLimitedRouter(Layer):
     """Sigmoid-scored, group-limited top-k router with a selection-only correction bias.
 
     Scoring runs in float32 whatever the model dtype (the bias is stored in float32, as
@@ -109,7 +109,7 @@ def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor) -> Tensor:
     return out
 
 
-class RoutedExperts(nn.Module):
+class RoutedExperts(Layer):
     """E SwiGLU experts as stacked weights (``gate_up [E, 2I, H]``, gate rows first; ``down [E, H, I]``),
     dispatched by sorting (token, expert) pairs by expert: one :func:`grouped_matmul` per projection
     over the sorted rows, weighted and scattered back with ``index_add_``.
@@ -142,7 +142,7 @@ class RoutedExperts(nn.Module):
                 load_param(param, take, f"{prefix}{expert}.{name}.weight")
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(Layer):
     """Routed experts plus always-on shared experts: ``x: [T, H] -> [T, H]``.
 
     Args:
