@@ -49,13 +49,19 @@ def rope_inv_freq(config: dict[str, Any], head_dim: int) -> Tensor:
     return torch.where(wavelen > original_max / low, inv_freq / factor, blended)
 
 
+Rope = Tensor | tuple[Tensor, Tensor]  # Rotary's output: rotation matrices, or (cos, signed sin)
+MAX_ROTATION_MATRIX_TOKENS = 64  # Rotary's matrices cost T * head_dim**2 numbers: only for decode-sized steps
+
+
 class Rotary:
     """Half-split (GPT-NeoX layout) RoPE, as HF Llama checkpoints expect. Not an ``nn.Module``: no weights.
 
-    Each position's rotation is built once per forward as a ``[head_dim, head_dim]`` matrix that
-    every layer applies to all its rotated heads in one ``bmm`` (:func:`apply_rotary`): on small
-    models a step is paid per op, and HF's ``x * cos + rotate_half(x) * sin`` takes four. Each
-    output is the same two products summed (the other terms are exact zeros).
+    A step of few tokens (decode, verify, drafting) gets each position's rotation as a
+    ``[head_dim, head_dim]`` matrix, built once per forward, that every layer applies to all its
+    rotated heads in one ``bmm`` (:func:`apply_rotary`): on small models such a step is paid per
+    op, and ``x * cos + rotate_half(x) * sin`` takes four. Each output is the same two products
+    summed (the other terms are exact zeros). A longer step (a prefill) keeps the four ops: its
+    matrices would grow with ``T * head_dim**2``.
     """
 
     def __init__(self, config: dict[str, Any], head_dim: int, dtype: torch.dtype):
@@ -66,23 +72,31 @@ class Rotary:
         self.half_turn = torch.eye(head_dim, dtype=dtype).roll(head_dim // 2, dims=0)
         self.dtype = dtype
 
-    def __call__(self, positions: Tensor) -> Tensor:
-        """``positions: [T] int64`` -> the rotations ``[T, head_dim, head_dim]`` in the model's dtype.
+    def __call__(self, positions: Tensor) -> Rope:
+        """``positions: [T] int64`` -> the rotations ``[T, head_dim, head_dim]`` when
+        ``T <= MAX_ROTATION_MATRIX_TOKENS``, else ``(cos, signed sin)``, each ``[T, 1, head_dim]``;
+        in the model's dtype.
 
-        Computed in float32 and then cast, like HF: ``x @ R == x * cos + rotate_half(x) * sin``, with
-        ``R = diag(cos) + half_turn * signed sin`` (the sine's first half negated).
+        Computed in float32 and then cast, like HF. The sine's first half is negated, which turns
+        ``rotate_half(x) * sin`` into ``roll(x) * signed sin``, and the matrix into
+        ``R = diag(cos) + half_turn * signed sin``.
         """
         if self.inv_freq.device != positions.device:  # follows the model to its device once
             self.inv_freq, self.sin_sign, self.half_turn = (
                 t.to(positions.device) for t in (self.inv_freq, self.sin_sign, self.half_turn))
         angles = positions.to(torch.float32)[:, None] * self.inv_freq  # [T, head_dim]
         cos, signed_sin = angles.cos().to(self.dtype), (angles.sin() * self.sin_sign).to(self.dtype)
+        if len(positions) > MAX_ROTATION_MATRIX_TOKENS:
+            return cos[:, None], signed_sin[:, None]
         return torch.diag_embed(cos) + self.half_turn * signed_sin[:, None, :]
 
 
-def apply_rotary(x: Tensor, rotations: Tensor) -> Tensor:
-    """Rotate ``x: [T, heads, head_dim]`` by :class:`Rotary`'s ``rotations [T, head_dim, head_dim]``."""
-    return torch.bmm(x, rotations)
+def apply_rotary(x: Tensor, rope: Rope) -> Tensor:
+    """Rotate ``x: [T, heads, head_dim]`` by what :class:`Rotary` returned for its positions."""
+    if isinstance(rope, Tensor):
+        return torch.bmm(x, rope)
+    cos, signed_sin = rope
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 @dataclass
@@ -204,9 +218,9 @@ class Attention(Layer):
         self.qkv_proj = MergedLinear(input_size or hidden, parts, bias=bias, **factory)
         self.o_proj = Linear(q_size, hidden, bias=bias, **factory)
 
-    def forward(self, x: Tensor, positions: Tensor, rope: Tensor, layout: RaggedLayout, cache: Tensor) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, rope: Rope, layout: RaggedLayout, cache: Tensor) -> Tensor:
         """Write the batch's K/V at ``positions [T]`` of ``cache [slots, max_len, 2, nkv, d]``, then attend
-        (``rope``: :class:`Rotary`'s rotations ``[T, d, d]``)."""
+        (``rope``: what :class:`Rotary` returned for ``positions``)."""
         rotated_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(len(x), -1, self.head_dim)  # [T, nh + 2 nkv, d]
         q, k = apply_rotary(qkv[:, :rotated_heads], rope).split([self.num_heads, self.num_kv_heads], dim=1)
@@ -232,7 +246,7 @@ class DecoderLayer(Layer):
         self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
         self.mlp = GatedMLP(hidden, config["intermediate_size"], bias=bool(config.get("mlp_bias", False)), **factory)
 
-    def forward(self, x: Tensor, positions: Tensor, rope: Tensor, layout: RaggedLayout, cache: Tensor) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, rope: Rope, layout: RaggedLayout, cache: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, layout, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.models import ForwardBatch, load_target
-from tandem.models.llama3 import rope_inv_freq
+from tandem.models.llama3 import MAX_ROTATION_MATRIX_TOKENS, Rotary, apply_rotary, rope_inv_freq
 
 TOL = 1e-4
 
@@ -76,6 +76,27 @@ def test_incremental_decode_and_verify_chunks_match_transformers(pair, slot_a, s
         logits = target.forward(ForwardBatch.from_rows(rows, starts, slots), cache).logits
         assert max_diff(logits, torch.cat(refs)) <= TOL
         pos_a, pos_b = pos_a + step_a, pos_b + step_b
+
+
+def test_a_prefill_longer_than_the_rotation_matrices_matches_transformers(pair):
+    """Past MAX_ROTATION_MATRIX_TOKENS tokens the rotation is elementwise; a long prefill and the
+    decode step after it (matrices again) both match."""
+    target, hf = pair
+    (row,) = sequences(7, [MAX_ROTATION_MATRIX_TOKENS + 20])
+    cache = target.new_cache(num_slots=1, max_len=len(row))
+    prefill = target.forward(ForwardBatch.from_rows([row[:-1]], [0], [0]), cache).logits
+    decode = target.forward(ForwardBatch.from_rows([row[-1:]], [len(row) - 1], [0]), cache).logits
+    assert max_diff(torch.cat([prefill, decode]), hf_forward(hf, row)[0]) <= TOL
+
+
+def test_rotation_matrices_and_elementwise_rotation_agree(llama3_rope):
+    config = {"rope_parameters": llama3_rope}
+    rotary, positions = Rotary(config, 16, torch.float32), torch.arange(200)
+    x = torch.randn(len(positions), 3, 16)
+    elementwise = apply_rotary(x, rotary(positions))
+    assert isinstance(rotary(positions), tuple) and isinstance(rotary(positions[:8]), torch.Tensor)
+    by_matrix = torch.cat([apply_rotary(x[i : i + 8], rotary(positions[i : i + 8])) for i in range(0, 200, 8)])
+    torch.testing.assert_close(by_matrix, elementwise)
 
 
 def test_logits_indices_select_rows_of_the_full_logits(pair):
