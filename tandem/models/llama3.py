@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from tandem.models.base import ForwardBatch, KVCache, TargetOutput, default_aux_layer_ids
 from tandem.models.layers import GatedMLP, Layer, Linear, MergedLinear, RMSNorm, widened
 from tandem.models.loading import WeightReader, load_module
-from tandem.models.rope import rope_parameters
+from tandem.models.rope import MAX_ROTATION_MATRIX_TOKENS, Rope, rope_parameters, rotation_matrices
 
 
 def rope_inv_freq(config: dict[str, Any], head_dim: int) -> Tensor:
@@ -49,19 +49,14 @@ def rope_inv_freq(config: dict[str, Any], head_dim: int) -> Tensor:
     return torch.where(wavelen > original_max / low, inv_freq / factor, blended)
 
 
-Rope = Tensor | tuple[Tensor, Tensor]  # Rotary's output: rotation matrices, or (cos, signed sin)
-MAX_ROTATION_MATRIX_TOKENS = 64  # Rotary's matrices cost T * head_dim**2 numbers: only for decode-sized steps
-
-
 class Rotary:
     """Half-split (GPT-NeoX layout) RoPE, as HF Llama checkpoints expect. Not an ``nn.Module``: no weights.
 
     A step of few tokens (decode, verify, drafting) gets each position's rotation as a
-    ``[head_dim, head_dim]`` matrix, built once per forward, that every layer applies to all its
-    rotated heads in one ``bmm`` (:func:`apply_rotary`): on small models such a step is paid per
-    op, and ``x * cos + rotate_half(x) * sin`` takes four. Each output is the same two products
-    summed (the other terms are exact zeros). A longer step (a prefill) keeps the four ops: its
-    matrices would grow with ``T * head_dim**2``.
+    ``[head_dim, head_dim]`` matrix (:func:`~tandem.models.rope.rotation_matrices`), built once per
+    forward, that every layer applies to all its rotated heads in one ``bmm`` (:func:`apply_rotary`)
+    where ``x * cos + rotate_half(x) * sin`` takes four ops. A longer step (a prefill) keeps the
+    four: its matrices would grow with ``T * head_dim**2``.
     """
 
     def __init__(self, config: dict[str, Any], head_dim: int, dtype: torch.dtype):
@@ -69,7 +64,8 @@ class Rotary:
         self.inv_freq = torch.cat([inv_freq, inv_freq])  # [head_dim]: both halves rotate by the same angles
         self.sin_sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])
         # rotate_half as a matrix: x @ half_turn == roll(x, head_dim // 2)
-        self.half_turn = torch.eye(head_dim, dtype=dtype).roll(head_dim // 2, dims=0)
+        self.identity = torch.eye(head_dim, dtype=dtype)
+        self.half_turn = self.identity.roll(head_dim // 2, dims=0)
         self.dtype = dtype
 
     def __call__(self, positions: Tensor) -> Rope:
@@ -79,16 +75,16 @@ class Rotary:
 
         Computed in float32 and then cast, like HF. The sine's first half is negated, which turns
         ``rotate_half(x) * sin`` into ``roll(x) * signed sin``, and the matrix into
-        ``R = diag(cos) + half_turn * signed sin``.
+        ``R = identity * cos + half_turn * signed sin``.
         """
         if self.inv_freq.device != positions.device:  # follows the model to its device once
-            self.inv_freq, self.sin_sign, self.half_turn = (
-                t.to(positions.device) for t in (self.inv_freq, self.sin_sign, self.half_turn))
+            self.inv_freq, self.sin_sign, self.identity, self.half_turn = (
+                t.to(positions.device) for t in (self.inv_freq, self.sin_sign, self.identity, self.half_turn))
         angles = positions.to(torch.float32)[:, None] * self.inv_freq  # [T, head_dim]
         cos, signed_sin = angles.cos().to(self.dtype), (angles.sin() * self.sin_sign).to(self.dtype)
         if len(positions) > MAX_ROTATION_MATRIX_TOKENS:
             return cos[:, None], signed_sin[:, None]
-        return torch.diag_embed(cos) + self.half_turn * signed_sin[:, None, :]
+        return rotation_matrices(cos, signed_sin, self.identity, self.half_turn)
 
 
 def apply_rotary(x: Tensor, rope: Rope) -> Tensor:

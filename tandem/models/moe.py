@@ -65,13 +65,12 @@ class GroupLimitedRouter(Layer):
         grouped = biased.view(x.shape[0], self.n_group, -1)  # [T, G, E/G]
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
         kept_groups = group_scores.topk(self.topk_group, dim=-1).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
-        biased = grouped.masked_fill(~group_mask[..., None], float("-inf")).flatten(1)
-        experts = biased.topk(self.top_k, dim=-1).indices  # [T, k]
+        dropped = torch.full_like(group_scores, float("-inf")).scatter_(1, kept_groups, 0.0)  # [T, G] additive
+        experts = (grouped + dropped[..., None]).flatten(1).topk(self.top_k, dim=-1).indices  # [T, k]
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, experts
+            weights.div_(weights.sum(dim=-1, keepdim=True).add_(1e-20))
+        return weights.mul_(self.routed_scaling_factor), experts
 
     def load(self, take: TakeFn, prefix: str) -> None:
         """Read ``{prefix}weight [E, H]`` and ``{prefix}e_score_correction_bias [E]``."""
@@ -113,6 +112,9 @@ class RoutedExperts(Layer):
     """E SwiGLU experts as stacked weights (``gate_up [E, 2I, H]``, gate rows first; ``down [E, H, I]``),
     dispatched by sorting (token, expert) pairs by expert: one :func:`grouped_matmul` per projection
     over the sorted rows, weighted and scattered back with ``index_add_``.
+
+    One token on the CPU (a decode step, a chained draft step) skips the dispatch: its k experts
+    run one after another (:meth:`one_token`), 15 ops where the dispatch takes 30.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, **factory):
@@ -124,6 +126,8 @@ class RoutedExperts(Layer):
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """``x: [T, H]``, ``weights: [T, k] float32``, ``experts: [T, k] int64`` -> ``[T, H]`` in x's dtype."""
+        if len(x) == 1 and x.device.type == "cpu":
+            return self.one_token(x, weights, experts)
         top_k = experts.shape[1]
         sorted_experts, order = experts.flatten().sort(stable=True)  # (token, choice) pairs grouped by expert
         tokens = order // top_k
@@ -132,6 +136,16 @@ class RoutedExperts(Layer):
         gate, up = grouped_matmul(x[tokens], self.gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
         routed = grouped_matmul(F.silu(gate) * up, self.down.transpose(1, 2), ends) * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, routed.to(x.dtype))
+
+    def one_token(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """:meth:`forward` for ``x: [1, H]`` on the CPU, where reading the expert ids is free."""
+        out = None
+        for choice, expert in enumerate(experts[0].tolist()):
+            gate, up = F.linear(x, widened(self.gate_up[expert], x)).chunk(2, dim=-1)
+            routed = F.linear(F.silu(gate) * up, widened(self.down[expert], x)) * weights[:, choice : choice + 1]
+            routed = routed.to(x.dtype)  # weighted in float32 and summed in x's dtype, as `forward` does
+            out = routed if out is None else out.add_(routed)
+        return out
 
     def load(self, take: TakeFn, prefix: str) -> None:
         """Read ``{prefix}{e}.{gate,up,down}_proj.weight`` for every expert e (the published layout)."""

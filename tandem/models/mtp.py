@@ -65,7 +65,7 @@ class MultiTokenPredictor(nn.Module):
         hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
         self.layer_id = config["num_hidden_layers"]
         self.latent_dim = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-        self.rope = RotaryEmbedding(config, config["qk_rope_head_dim"])
+        self.rope = RotaryEmbedding(config, config["qk_rope_head_dim"], dtype or torch.get_default_dtype())
         self.enorm = RMSNorm(hidden, eps=eps, **factory)
         self.hnorm = RMSNorm(hidden, eps=eps, **factory)
         self.eh_proj = Linear(2 * hidden, hidden, bias=False, **factory)

@@ -77,6 +77,22 @@ def _yarn(params: dict[str, Any], dim: int, max_position_embeddings: int) -> tup
     return inv_freq, float(attention_factor), softmax_scale_factor
 
 
+Rope = Tensor | tuple[Tensor, Tensor]  # a rotary's output: rotation matrices, or an elementwise (cos, sin) pair
+MAX_ROTATION_MATRIX_TOKENS = 64  # rotation matrices cost T * dim**2 numbers: only for decode-sized steps
+
+
+def rotation_matrices(cos: Tensor, sin: Tensor, cos_pattern: Tensor, sin_pattern: Tensor) -> Tensor:
+    """Per-position rotations ``[T, dim, dim]`` with ``x @ R[t]`` the rotated ``x``: ``R[t] =
+    cos_pattern * cos[t] + sin_pattern * sin[t]``, from ``cos, sin: [T, dim]`` (each output
+    column's angle) and the ``[dim, dim]`` patterns of where each input lands (entries 0 or ±1).
+
+    On small models a step of few tokens is paid per op: a rotation as one ``bmm`` per layer
+    replaces four to seven elementwise ops. Each output is the same two products summed as the
+    elementwise form (the other terms are exact zeros).
+    """
+    return cos_pattern * cos[:, None, :] + sin_pattern * sin[:, None, :]
+
+
 class RotaryEmbedding:
     """Interleaved RoPE frequencies, YaRN-scaled when the config asks for it. Not an ``nn.Module``: no weights.
 
@@ -84,9 +100,10 @@ class RotaryEmbedding:
         config: the model's HF config dict (``rope_parameters`` or ``rope_scaling``/``rope_theta``,
             ``max_position_embeddings``).
         dim: rotary dimensions per head (``qk_rope_head_dim``), even.
+        dtype: of the rotation matrices (the model's).
     """
 
-    def __init__(self, config: dict[str, Any], dim: int):
+    def __init__(self, config: dict[str, Any], dim: int, dtype: torch.dtype = torch.float32):
         if dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {dim}")
         params = rope_parameters(config, ("default", "yarn"), "DeepSeek-V3")
@@ -98,21 +115,34 @@ class RotaryEmbedding:
             inv_freq = 1.0 / float(params["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
             self.attention_factor, self.softmax_scale_factor = 1.0, 1.0
         self.inv_freq = inv_freq  # [dim // 2] float32
+        # Pair i = (x[2i], x[2i+1]) rotates into output columns i (real) and dim/2 + i (imaginary).
+        half, pairs = dim // 2, torch.arange(dim // 2)
+        self.cos_pattern, self.sin_pattern = torch.zeros(dim, dim, dtype=dtype), torch.zeros(dim, dim, dtype=dtype)
+        self.cos_pattern[2 * pairs, pairs] = self.cos_pattern[2 * pairs + 1, half + pairs] = 1
+        self.sin_pattern[2 * pairs + 1, pairs], self.sin_pattern[2 * pairs, half + pairs] = -1, 1
+        self.dtype = dtype
 
-    def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """``positions: [T] int64`` -> ``(cos, sin)``, each ``[T, dim // 2] float32`` (YaRN-scaled)."""
+    def __call__(self, positions: Tensor) -> Rope:
+        """``positions: [T] int64`` -> the rotations ``[T, dim, dim]`` in the model's dtype when
+        ``T <= MAX_ROTATION_MATRIX_TOKENS``, else ``(cos, sin)``, each ``[T, dim // 2] float32``;
+        YaRN-scaled."""
         if self.inv_freq.device != positions.device:  # follows the model to its device once
-            self.inv_freq = self.inv_freq.to(positions.device)
+            self.inv_freq, self.cos_pattern, self.sin_pattern = (
+                t.to(positions.device) for t in (self.inv_freq, self.cos_pattern, self.sin_pattern))
         angles = positions.to(torch.float32)[:, None] * self.inv_freq
-        return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+        cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+        if len(positions) > MAX_ROTATION_MATRIX_TOKENS:
+            return cos, sin
+        cos, sin = cos.repeat(1, 2).to(self.dtype), sin.repeat(1, 2).to(self.dtype)
+        return rotation_matrices(cos, sin, self.cos_pattern, self.sin_pattern)
 
 
-def apply_interleaved_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate interleaved pairs of ``x: [T, ..., dim]`` by ``cos, sin: [T, dim // 2]``.
-
-    Returns ``[T, ..., dim]`` in x's dtype, de-interleaved (see the module docstring).
+def apply_interleaved_rotary(x: Tensor, rope: Rope) -> Tensor:
+    """Rotate interleaved pairs of ``x: [T, heads, dim]`` by what :class:`RotaryEmbedding` returned
+    for its positions. Returns ``[T, heads, dim]`` in x's dtype, de-interleaved (see the module docstring).
     """
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    cos, sin = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
+    if isinstance(rope, Tensor):
+        return torch.bmm(x, rope)
+    cos, sin = (t[:, None].to(x.dtype) for t in rope)
     real, imag = x[..., 0::2], x[..., 1::2]
     return torch.cat([real * cos - imag * sin, imag * cos + real * sin], dim=-1)

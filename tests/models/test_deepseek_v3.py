@@ -15,7 +15,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tandem.models import CheckpointError, ForwardBatch, load_target, moe
 from tandem.models.deepseek_v3 import DeepseekV3, softmax_attention
-from tandem.models.rope import RotaryEmbedding
+from tandem.models.rope import MAX_ROTATION_MATRIX_TOKENS, RotaryEmbedding, apply_interleaved_rotary
 
 TOLERANCE = 1e-4
 YARN = {
@@ -114,6 +114,44 @@ def test_decode_after_truncate_equals_fresh_cache(tmp_path):
     model.forward(ForwardBatch.from_rows([committed], [0], [0]), fresh)
     from_fresh = model.forward(ForwardBatch.from_rows([redo], [len(committed)], [0]), fresh).logits
     assert max_diff(after_truncate, from_fresh) <= 1e-5
+
+
+def test_a_prefill_longer_than_the_rotation_matrices_matches_transformers(tmp_path):
+    """Past MAX_ROTATION_MATRIX_TOKENS tokens the rotation is elementwise; a long prefill and the
+    decode step after it (matrices, and the one-token expert path) both match."""
+    reference = save_reference(tmp_path, tiny_config())
+    model = load_target(tmp_path)
+    row = torch.randint(0, 512, (MAX_ROTATION_MATRIX_TOKENS + 20,), generator=torch.Generator().manual_seed(2)).tolist()
+    cache = model.new_cache(num_slots=1, max_len=len(row))
+    prefill = model.forward(ForwardBatch.from_rows([row[:-1]], [0], [0]), cache).logits
+    decode = model.forward(ForwardBatch.from_rows([row[-1:]], [len(row) - 1], [0]), cache).logits
+    assert max_diff(torch.cat([prefill, decode]), reference_logits(reference, row)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("rope_parameters", [dict(YARN), None])
+def test_interleaved_rotation_matrices_and_elementwise_rotation_agree(rope_parameters):
+    rope = RotaryEmbedding({"rope_parameters": rope_parameters, "max_position_embeddings": 128}, 8)
+    positions = torch.arange(200)
+    x = torch.randn(len(positions), 3, 8, generator=torch.Generator().manual_seed(0))
+    elementwise = apply_interleaved_rotary(x, rope(positions))
+    assert isinstance(rope(positions), tuple) and isinstance(rope(positions[:8]), torch.Tensor)
+    by_matrix = torch.cat([apply_interleaved_rotary(x[i : i + 8], rope(positions[i : i + 8])) for i in range(0, 200, 8)])
+    torch.testing.assert_close(by_matrix, elementwise)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_runs_its_experts_as_the_dispatch_does(dtype):
+    """A decode step's token skips the sort-and-scatter dispatch (RoutedExperts.one_token); the same
+    token inside a longer batch goes through it."""
+    experts = moe.RoutedExperts(16, 8, 6, dtype=dtype).requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    experts.gate_up.copy_(torch.randn(experts.gate_up.shape, generator=g))
+    experts.down.copy_(torch.randn(experts.down.shape, generator=g))
+    x = torch.randn(3, 16, generator=g).to(dtype)
+    weights, picked = torch.rand(3, 2, generator=g), torch.tensor([[4, 1], [0, 5], [3, 2]])
+    together = experts(x, weights, picked)
+    for i in range(3):
+        torch.testing.assert_close(experts(x[i : i + 1], weights[i : i + 1], picked[i : i + 1]), together[i : i + 1])
 
 
 def test_cache_holds_only_the_compressed_latent_and_is_never_expanded(tmp_path):

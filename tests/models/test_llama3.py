@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tandem.models import ForwardBatch, load_target
-from tandem.models.llama3 import MAX_ROTATION_MATRIX_TOKENS, Rotary, apply_rotary, rope_inv_freq
+from tandem.models.llama3 import Rotary, apply_rotary, rope_inv_freq
+from tandem.models.rope import MAX_ROTATION_MATRIX_TOKENS
 
 TOL = 1e-4
 
