@@ -111,11 +111,11 @@ class MultiHeadLatentAttention(Layer):
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5 * softmax_scale_factor
 
     def forward(
-        self, x: Tensor, positions: Tensor, rope: Rope, layout: RaggedLayout, latent_cache: Tensor
+        self, x: Tensor, rope: Rope, layout: RaggedLayout, latent_cache: Tensor
     ) -> Tensor:
         """Write this batch's latents into ``latent_cache [num_slots, max_len, r + rope]`` and attend.
 
-        ``x: [T, H]``, ``positions: [T]``, ``rope``: the :class:`RotaryEmbedding` of the positions -> ``[T, H]``.
+        ``x: [T, H]``, ``rope``: the :class:`RotaryEmbedding` of the tokens' positions -> ``[T, H]``.
         """
         if self.q_rank is None:
             q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
@@ -124,9 +124,8 @@ class MultiHeadLatentAttention(Layer):
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         q_nope, q_pe = q.view(len(x), self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = kv_a.split([self.kv_rank, self.rope_dim], dim=-1)
-        latent_cache[layout.token_slots, positions] = torch.cat(
-            [self.kv_a_layernorm(latent), apply_interleaved_rotary(k_pe[:, None], rope).flatten(1)], dim=-1
-        ).to(latent_cache.dtype)
+        layout.write(latent_cache, torch.cat(
+            [self.kv_a_layernorm(latent), apply_interleaved_rotary(k_pe[:, None], rope).flatten(1)], dim=-1))
         kv_b = widened(self.kv_b_proj.weight, x).view(self.num_heads, self.nope_dim + self.v_dim, self.kv_rank)
         # Head-batched matmuls: einsum's own permutes and reshapes took 6% of the demo's decode step.
         q_latent = torch.bmm(q_nope.transpose(0, 1), kv_b[:, : self.nope_dim]).transpose(0, 1)  # [T, nh, r]
@@ -156,9 +155,9 @@ class DecoderLayer(Layer):
             self.mlp = GatedMLP(hidden, config["intermediate_size"], **factory)
 
     def forward(
-        self, x: Tensor, positions: Tensor, rope: Rope, layout: RaggedLayout, latent_cache: Tensor
+        self, x: Tensor, rope: Rope, layout: RaggedLayout, latent_cache: Tensor
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, layout, latent_cache)
+        x = x + self.self_attn(self.input_layernorm(x), rope, layout, latent_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def load(self, take: TakeFn, prefix: str) -> None:
@@ -240,15 +239,14 @@ class DeepseekV3(nn.Module):
             raise ValueError(f"aux_layer_ids {self.aux_layer_ids} outside hidden_states indices 0..{self.num_layers}")
         cache.begin_forward(batch)
         layout = RaggedLayout.build(batch)
-        positions = batch.positions
-        rope = self.rope(positions)
+        rope = self.rope(batch.positions)
         capture = self.aux_layer_ids if return_aux else ()
         captured: dict[int, Tensor] = {}
         x = self.embed_tokens(batch.input_ids)
         for i, layer in enumerate(self.layers):
             if i in capture:
                 captured[i] = x
-            x = layer(x, positions, rope, layout, cache.layers[i])
+            x = layer(x, rope, layout, cache.layers[i])
         x = captured[self.num_layers] = self.norm(x)
         selected = x if batch.logits_indices is None else x[batch.logits_indices]
         return TargetOutput(

@@ -33,6 +33,7 @@ from tandem.models.eagle import check_pair, propose_chained
 from tandem.models.layers import GatedMLP, Layer, Linear, RMSNorm, checkpoint_tensors
 from tandem.models.llama3 import Attention, RaggedLayout, Rotary, check_activation, kv_entry_shape
 from tandem.models.loading import CheckpointError, WeightReader, load_param
+from tandem.models.rope import Rope
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.")  # checkpoint prefix of our ``midlayer.``
 
@@ -49,10 +50,10 @@ class MidLayer(Layer):
         self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
         self.mlp = GatedMLP(hidden, config["intermediate_size"], bias=bool(config.get("mlp_bias", False)), **factory)
 
-    def forward(self, embeds: Tensor, hidden: Tensor, positions: Tensor, rope, layout: RaggedLayout, cache: Tensor):
+    def forward(self, embeds: Tensor, hidden: Tensor, rope: Rope, layout: RaggedLayout, cache: Tensor):
         """``embeds, hidden: [T, H]`` -> the pre-norm hidden ``[T, H]``."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = hidden + self.self_attn(x, positions, rope, layout, cache)
+        hidden = hidden + self.self_attn(x, rope, layout, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -106,7 +107,7 @@ class Eagle3(nn.Module):
         cache.begin_forward(batch)
         layout = RaggedLayout.build(batch, first_position=cache.first_position)
         rope = self.rotary(batch.positions)
-        return self.midlayer(self.target_embed(batch.input_ids), hidden, batch.positions, rope, layout, cache.layers[0])
+        return self.midlayer(self.target_embed(batch.input_ids), hidden, rope, layout, cache.layers[0])
 
     def logits(self, hidden: Tensor) -> Tensor:
         """``hidden [N, H]`` pre-norm output -> draft-vocabulary logits ``[N, draft_V]``."""
