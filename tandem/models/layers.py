@@ -44,8 +44,8 @@ class RMSNorm(Layer):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == self.weight.dtype == torch.float32:  # 5 ops for F.rms_norm's 8 on the CPU: ops are the cost here
-            scale = torch.linalg.vecdot(x, x).unsqueeze_(-1).mul_(1 / x.shape[-1]).add_(self.eps).rsqrt_()
+        if x.dtype == self.weight.dtype == torch.float32:  # HF's arithmetic in 6 ops, F.rms_norm's 8 on the CPU
+            scale = (x * x).mean(-1, keepdim=True).add_(self.eps).rsqrt_()  # x * x: pow(2) is slower here
             return (x * scale).mul_(self.weight)
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
