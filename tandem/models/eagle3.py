@@ -94,6 +94,7 @@ class Eagle3(nn.Module):
         self.lm_head = Linear(hidden, self.draft_vocab_size, bias=False, **factory)
         # draft id d -> target id d + d2t[d]: [draft_V] int64, set by `build` from the checkpoint's d2t
         self.target_ids = nn.Buffer(torch.arange(self.draft_vocab_size, device=device), persistent=False)
+        self.maps_ids = self.draft_vocab_size != self.target_vocab_size  # False: draft ids are target ids
         self.rotary = Rotary(config, self.midlayer.self_attn.head_dim, dtype)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
@@ -116,6 +117,8 @@ class Eagle3(nn.Module):
     def target_logits(self, hidden: Tensor) -> Tensor:
         """``hidden [B, H]`` -> ``[B, V_target]``: each draft id's logit at its target id, -inf elsewhere."""
         logits = self.logits(hidden)
+        if not self.maps_ids:
+            return logits
         full = logits.new_full((len(logits), self.target_vocab_size), float("-inf"))
         return full.index_copy_(1, self.target_ids, logits)
 
@@ -161,6 +164,7 @@ def build(
     if (mapped < 0).any() or (mapped >= target.vocab_size).any():
         raise CheckpointError(f"{weights.path}: d2t maps draft ids outside the target vocab [0, {target.vocab_size})")
     draft.target_ids.copy_(mapped)
+    draft.maps_ids = not torch.equal(mapped, torch.arange(target.vocab_size, device=device))
     if "t2d" in weights:
         weights.take("t2d", (target.vocab_size,), dtype=torch.bool)  # shape-checked; d2t alone maps ids
     weights.finish(ignore=[r"(model\.)?embed_tokens\.weight$"])

@@ -118,6 +118,18 @@ def test_llama_target_propose_matches_reference_for_each_layout(tmp_path, target
     check_against_reference(draft, target, w, reference, 512)
 
 
+@pytest.mark.parametrize("permuted", [False, True])
+def test_a_full_size_draft_vocab_maps_ids_only_where_d2t_moves_them(tmp_path, target, reference, permuted):
+    """Draft ids are target ids unless d2t moves them: then each logit lands at its mapped id."""
+    w = write_eagle3(tmp_path, draft_vocab=512)
+    if permuted:
+        w["d2t"] = torch.randperm(512, generator=torch.Generator().manual_seed(1)) - torch.arange(512)
+        save_file(w, tmp_path / "model.safetensors")
+    draft = load_draft(tmp_path, target)
+    assert draft.maps_ids == permuted
+    check_against_reference(draft, target, w, reference, 512)
+
+
 def test_fc_width_is_detected_without_an_eagle3_architecture_name(tmp_path, target):
     write_eagle3(tmp_path, arch="LlamaForCausalLM")
     assert isinstance(load_draft(tmp_path, target), Eagle3)
