@@ -16,12 +16,15 @@ raises an error naming the key and both shapes) and the module's key prefix.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.models.layers import GatedMLP, Layer, widened
 from tandem.models.loading import TakeFn, load_module, load_param
+from tandem.transfer import int64_tensor
 
 
 class GroupLimitedRouter(Layer):
@@ -89,19 +92,19 @@ def has_grouped_mm(x: Tensor, weights: Tensor) -> bool:
     return all(stride * t.element_size() % 16 == 0 for t in (x, weights) for stride in t.stride() if stride != 1)
 
 
-def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor) -> Tensor:
+def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor | list[int]) -> Tensor:
     """Each group's rows times its weight: ``x [N, K]`` sorted by group, ``weights [E, K, M]``, ``ends [E]
-    int32`` (one past each group's last row) -> ``[N, M]``.
+    int32`` (one past each group's last row; a list when the host planned the dispatch) -> ``[N, M]``.
 
     One ``F.grouped_mm`` call, which never reads the device, where :func:`has_grouped_mm`; else a
     loop over the groups that got rows, which reads ``ends`` once (free on the CPU, and faster there
-    for the one or two experts a decoded token visits).
+    for the few experts a decode or verify step visits).
     """
-    if has_grouped_mm(x, weights):
+    if isinstance(ends, Tensor) and has_grouped_mm(x, weights):
         return F.grouped_mm(x, weights, offs=ends)
     out = x.new_empty(len(x), weights.shape[2])
     start = 0
-    for group, end in enumerate(ends.tolist()):
+    for group, end in enumerate(ends if isinstance(ends, list) else ends.tolist()):
         if end > start:
             torch.mm(x[start:end], widened(weights[group], x), out=out[start:end])
         start = end
@@ -113,8 +116,9 @@ class RoutedExperts(Layer):
     dispatched by sorting (token, expert) pairs by expert: one :func:`grouped_matmul` per projection
     over the sorted rows, weighted and scattered back with ``index_add_``.
 
-    One token on the CPU (a decode step, a chained draft step) skips the dispatch: its k experts
-    run one after another (:meth:`one_token`), 15 ops where the dispatch takes 30.
+    On the CPU, where reading the routing is free, the host sorts the pairs (the device's sort
+    and search cost a verify step 3%), and one token (a decode step, a chained draft step) skips
+    the dispatch: its k experts run one after another (:meth:`one_token`), 15 ops for 30.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, **factory):
@@ -128,11 +132,17 @@ class RoutedExperts(Layer):
         """``x: [T, H]``, ``weights: [T, k] float32``, ``experts: [T, k] int64`` -> ``[T, H]`` in x's dtype."""
         if len(x) == 1 and x.device.type == "cpu":
             return self.one_token(x, weights, experts)
-        top_k = experts.shape[1]
-        sorted_experts, order = experts.flatten().sort(stable=True)  # (token, choice) pairs grouped by expert
-        tokens = order // top_k
-        expert_ids = torch.arange(self.gate_up.shape[0], device=x.device)
-        ends = torch.searchsorted(sorted_experts, expert_ids, right=True).to(torch.int32)
+        top_k, num_experts = experts.shape[1], self.gate_up.shape[0]
+        if x.device.type == "cpu":
+            picks = experts.flatten().tolist()
+            pairs = sorted(range(len(picks)), key=picks.__getitem__)  # (token, choice) pairs grouped by expert
+            order, tokens = int64_tensor(pairs), int64_tensor([pair // top_k for pair in pairs])
+            ends = list(itertools.accumulate(picks.count(expert) for expert in range(num_experts)))
+        else:
+            sorted_experts, order = experts.flatten().sort(stable=True)
+            tokens = order // top_k
+            expert_ids = torch.arange(num_experts, device=x.device)
+            ends = torch.searchsorted(sorted_experts, expert_ids, right=True).to(torch.int32)
         gate, up = grouped_matmul(x[tokens], self.gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
         routed = grouped_matmul(F.silu(gate) * up, self.down.transpose(1, 2), ends) * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, routed.to(x.dtype))
