@@ -239,7 +239,7 @@ class DeepseekV3(nn.Module):
             raise ValueError(f"aux_layer_ids {self.aux_layer_ids} outside hidden_states indices 0..{self.num_layers}")
         cache.begin_forward(batch)
         layout = RaggedLayout.build(batch)
-        rope = self.rope(batch.positions)
+        rope = self.rope(batch.positions, layout.max_key)
         capture = self.aux_layer_ids if return_aux else ()
         captured: dict[int, Tensor] = {}
         x = self.embed_tokens(batch.input_ids)

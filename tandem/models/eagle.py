@@ -94,7 +94,7 @@ class Eagle(nn.Module):
         cache.begin_forward(batch)
         x = self.fc(torch.cat([self.target_embed(batch.input_ids), features.to(self.dtype)], dim=-1))
         layout = RaggedLayout.build(batch, first_position=cache.first_position)
-        return self.layers[0](x, self.rotary(batch.positions), layout, cache.layers[0])
+        return self.layers[0](x, self.rotary(batch.positions, layout.max_key), layout, cache.layers[0])
 
     def logits(self, hidden: Tensor) -> Tensor:
         """``hidden [N, H]`` draft output -> ``[N, V] float32``: the target's head, no norm."""

@@ -107,7 +107,7 @@ class Eagle3(nn.Module):
         """``hidden [T, H]`` (``fc`` output or the previous pre-norm output) -> pre-norm hidden ``[T, H]``."""
         cache.begin_forward(batch)
         layout = RaggedLayout.build(batch, first_position=cache.first_position)
-        rope = self.rotary(batch.positions)
+        rope = self.rotary(batch.positions, layout.max_key)
         return self.midlayer(self.target_embed(batch.input_ids), hidden, rope, layout, cache.layers[0])
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from tandem.models.base import ForwardBatch, KVCache, TargetOutput, default_aux_layer_ids
 from tandem.models.layers import GatedMLP, Layer, Linear, MergedLinear, RMSNorm, widened
 from tandem.models.loading import WeightReader, load_module
-from tandem.models.rope import MAX_ROTATION_MATRIX_TOKENS, Rope, rope_parameters, rotation_matrices
+from tandem.models.rope import Rope, RotaryTable, rope_parameters
 
 
 def rope_inv_freq(config: dict[str, Any], head_dim: int) -> Tensor:
@@ -49,49 +49,32 @@ def rope_inv_freq(config: dict[str, Any], head_dim: int) -> Tensor:
     return torch.where(wavelen > original_max / low, inv_freq / factor, blended)
 
 
-class Rotary:
-    """Half-split (GPT-NeoX layout) RoPE, as HF Llama checkpoints expect. Not an ``nn.Module``: no weights.
+class Rotary(RotaryTable):
+    """Half-split (GPT-NeoX layout) RoPE, as HF Llama checkpoints expect.
 
     A step of few tokens (decode, verify, drafting) gets each position's rotation as a
     ``[head_dim, head_dim]`` matrix (:func:`~tandem.models.rope.rotation_matrices`), built once per
     forward, that every layer applies to all its rotated heads in one ``bmm`` (:func:`apply_rotary`)
     where ``x * cos + rotate_half(x) * sin`` takes four ops. A longer step (a prefill) keeps the
-    four: its matrices would grow with ``T * head_dim**2``.
+    four: its matrices would grow with ``T * head_dim**2``. The sine's first half is negated, which
+    turns ``rotate_half(x) * sin`` into ``roll(x) * signed sin``, and the matrix into
+    ``R = identity * cos + half_turn * signed sin``.
     """
 
     def __init__(self, config: dict[str, Any], head_dim: int, dtype: torch.dtype):
         inv_freq = rope_inv_freq(config, head_dim)
-        self.inv_freq = torch.cat([inv_freq, inv_freq])  # [head_dim]: both halves rotate by the same angles
-        self.sin_sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])
-        # rotate_half as a matrix: x @ half_turn == roll(x, head_dim // 2)
-        self.identity = torch.eye(head_dim, dtype=dtype)
-        self.half_turn = self.identity.roll(head_dim // 2, dims=0)
-        self.dtype = dtype
-
-    def __call__(self, positions: Tensor) -> Rope:
-        """``positions: [T] int64`` -> the rotations ``[T, head_dim, head_dim]`` when
-        ``T <= MAX_ROTATION_MATRIX_TOKENS``, else ``(cos, signed sin)``, each ``[T, 1, head_dim]``;
-        in the model's dtype.
-
-        Computed in float32 and then cast, like HF. The sine's first half is negated, which turns
-        ``rotate_half(x) * sin`` into ``roll(x) * signed sin``, and the matrix into
-        ``R = identity * cos + half_turn * signed sin``.
-        """
-        if self.inv_freq.device != positions.device:  # follows the model to its device once
-            self.inv_freq, self.sin_sign, self.identity, self.half_turn = (
-                t.to(positions.device) for t in (self.inv_freq, self.sin_sign, self.identity, self.half_turn))
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq  # [T, head_dim]
-        cos, signed_sin = angles.cos().to(self.dtype), (angles.sin() * self.sin_sign).to(self.dtype)
-        if len(positions) > MAX_ROTATION_MATRIX_TOKENS:
-            return cos[:, None], signed_sin[:, None]
-        return rotation_matrices(cos, signed_sin, self.identity, self.half_turn)
+        sin_sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])
+        identity = torch.eye(head_dim)
+        half_turn = identity.roll(head_dim // 2, dims=0)  # rotate_half as a matrix: x @ half_turn == roll(x)
+        # Both halves rotate by the same angles.
+        super().__init__(torch.cat([inv_freq, inv_freq]), 1.0, sin_sign, identity, half_turn, dtype)
 
 
 def apply_rotary(x: Tensor, rope: Rope) -> Tensor:
     """Rotate ``x: [T, heads, head_dim]`` by what :class:`Rotary` returned for its positions."""
     if isinstance(rope, Tensor):
         return torch.bmm(x, rope)
-    cos, signed_sin = rope
+    cos, signed_sin = (t[:, None] for t in rope)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
@@ -324,7 +307,7 @@ class Llama3(nn.Module):
         ``aux_hidden [T, len(aux_layer_ids) * H]``: the inputs of layers ``aux_layer_ids`` (id L = final output)."""
         cache.begin_forward(batch)
         layout = RaggedLayout.build(batch)
-        rope = self.rotary(batch.positions)
+        rope = self.rotary(batch.positions, layout.max_key)
         x = self.embed(batch.input_ids)
         captured: dict[int, Tensor] = {}
         for i, layer in enumerate(self.model.layers):

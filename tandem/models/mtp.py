@@ -92,7 +92,7 @@ class MultiTokenPredictor(nn.Module):
         cache.begin_forward(batch)
         layout = RaggedLayout.build(batch, cache.first_position)
         fused = self.eh_proj(torch.cat([self.enorm(self._embed(batch.input_ids)), self.hnorm(hidden)], dim=-1))
-        return self.layer(fused, self.rope(batch.positions), layout, cache.layers[0])
+        return self.layer(fused, self.rope(batch.positions, layout.max_key), layout, cache.layers[0])
 
     def logits(self, g: Tensor) -> Tensor:
         """``g: [N, H]`` pre-norm MTP output -> ``[N, V] float32``."""

@@ -93,14 +93,52 @@ def rotation_matrices(cos: Tensor, sin: Tensor, cos_pattern: Tensor, sin_pattern
     return cos_pattern * cos[:, None, :] + sin_pattern * sin[:, None, :]
 
 
-class RotaryEmbedding:
-    """Interleaved RoPE frequencies, YaRN-scaled when the config asks for it. Not an ``nn.Module``: no weights.
+class RotaryTable:
+    """Each position's rotary cos and sin, tabled once and looked up per step (vLLM's ``cos_sin_cache``),
+    and the rotation they make. Not an ``nn.Module``: no weights.
+
+    The table covers positions ``0 .. end - 1`` of the furthest step so far, doubling when a step
+    reaches past it: a decode step pays one lookup where computing its angles took six ops. Entries
+    are computed in float32 and then cast to the model's dtype, like HF.
+
+    Args:
+        freq: ``[dim]`` float32 angle per position of each output column.
+        cos_scale, sin_scale: ``[dim]`` (or scalar) factors of the cosines and sines.
+        cos_pattern, sin_pattern: ``[dim, dim]``, where each input lands (:func:`rotation_matrices`).
+        dtype: the model's.
+    """
+
+    def __init__(self, freq: Tensor, cos_scale: Tensor | float, sin_scale: Tensor | float, cos_pattern: Tensor,
+                 sin_pattern: Tensor, dtype: torch.dtype):
+        self.freq, self.cos_scale, self.sin_scale = freq, torch.as_tensor(cos_scale), torch.as_tensor(sin_scale)
+        self.cos_pattern, self.sin_pattern = cos_pattern.to(dtype), sin_pattern.to(dtype)
+        self.table = torch.empty(0, 2, len(freq), dtype=dtype)  # [positions, (cos, sin), dim]
+
+    def __call__(self, positions: Tensor, end: int) -> Rope:
+        """``positions: [T] int64``, all below ``end`` -> the rotations ``[T, dim, dim]`` when
+        ``T <= MAX_ROTATION_MATRIX_TOKENS``, else ``(cos, sin)``, each ``[T, dim]``; in the model's dtype."""
+        if len(self.table) < end or self.table.device != positions.device:
+            self._build(max(end, 2 * len(self.table), 256), positions.device)
+        cos, sin = self.table[positions].unbind(1)
+        if len(positions) > MAX_ROTATION_MATRIX_TOKENS:
+            return cos, sin
+        return rotation_matrices(cos, sin, self.cos_pattern, self.sin_pattern)
+
+    def _build(self, size: int, device: torch.device) -> None:
+        angles = torch.arange(size, dtype=torch.float32, device=device)[:, None] * self.freq.to(device)
+        cos, sin = angles.cos() * self.cos_scale.to(device), angles.sin() * self.sin_scale.to(device)
+        self.table = torch.stack([cos, sin], dim=1).to(self.table.dtype)
+        self.cos_pattern, self.sin_pattern = self.cos_pattern.to(device), self.sin_pattern.to(device)
+
+
+class RotaryEmbedding(RotaryTable):
+    """Interleaved RoPE, YaRN-scaled when the config asks for it.
 
     Args:
         config: the model's HF config dict (``rope_parameters`` or ``rope_scaling``/``rope_theta``,
             ``max_position_embeddings``).
         dim: rotary dimensions per head (``qk_rope_head_dim``), even.
-        dtype: of the rotation matrices (the model's).
+        dtype: the model's.
     """
 
     def __init__(self, config: dict[str, Any], dim: int, dtype: torch.dtype = torch.float32):
@@ -117,32 +155,20 @@ class RotaryEmbedding:
         self.inv_freq = inv_freq  # [dim // 2] float32
         # Pair i = (x[2i], x[2i+1]) rotates into output columns i (real) and dim/2 + i (imaginary).
         half, pairs = dim // 2, torch.arange(dim // 2)
-        self.cos_pattern, self.sin_pattern = torch.zeros(dim, dim, dtype=dtype), torch.zeros(dim, dim, dtype=dtype)
-        self.cos_pattern[2 * pairs, pairs] = self.cos_pattern[2 * pairs + 1, half + pairs] = 1
-        self.sin_pattern[2 * pairs + 1, pairs], self.sin_pattern[2 * pairs, half + pairs] = -1, 1
-        self.dtype = dtype
-
-    def __call__(self, positions: Tensor) -> Rope:
-        """``positions: [T] int64`` -> the rotations ``[T, dim, dim]`` in the model's dtype when
-        ``T <= MAX_ROTATION_MATRIX_TOKENS``, else ``(cos, sin)``, each ``[T, dim // 2] float32``;
-        YaRN-scaled."""
-        if self.inv_freq.device != positions.device:  # follows the model to its device once
-            self.inv_freq, self.cos_pattern, self.sin_pattern = (
-                t.to(positions.device) for t in (self.inv_freq, self.cos_pattern, self.sin_pattern))
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq
-        cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
-        if len(positions) > MAX_ROTATION_MATRIX_TOKENS:
-            return cos, sin
-        cos, sin = cos.repeat(1, 2).to(self.dtype), sin.repeat(1, 2).to(self.dtype)
-        return rotation_matrices(cos, sin, self.cos_pattern, self.sin_pattern)
+        cos_pattern, sin_pattern = torch.zeros(dim, dim), torch.zeros(dim, dim)
+        cos_pattern[2 * pairs, pairs] = cos_pattern[2 * pairs + 1, half + pairs] = 1
+        sin_pattern[2 * pairs + 1, pairs], sin_pattern[2 * pairs, half + pairs] = -1, 1
+        factor = self.attention_factor
+        super().__init__(inv_freq.repeat(2), factor, factor, cos_pattern, sin_pattern, dtype)
 
 
 def apply_interleaved_rotary(x: Tensor, rope: Rope) -> Tensor:
-    """Rotate interleaved pairs of ``x: [T, heads, dim]`` by what :class:`RotaryEmbedding` returned
+    """Rotate interleaved pairs of ``x: [T, heads, dim]`` (in the model's dtype) by what :class:`RotaryEmbedding` returned
     for its positions. Returns ``[T, heads, dim]`` in x's dtype, de-interleaved (see the module docstring).
     """
     if isinstance(rope, Tensor):
         return torch.bmm(x, rope)
-    cos, sin = (t[:, None].to(x.dtype) for t in rope)
+    half = x.shape[-1] // 2  # both halves of the table's columns hold the same angles
+    cos, sin = (t[:, None, :half] for t in rope)
     real, imag = x[..., 0::2], x[..., 1::2]
     return torch.cat([real * cos - imag * sin, imag * cos + real * sin], dim=-1)

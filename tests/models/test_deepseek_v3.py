@@ -133,10 +133,24 @@ def test_interleaved_rotation_matrices_and_elementwise_rotation_agree(rope_param
     rope = RotaryEmbedding({"rope_parameters": rope_parameters, "max_position_embeddings": 128}, 8)
     positions = torch.arange(200)
     x = torch.randn(len(positions), 3, 8, generator=torch.Generator().manual_seed(0))
-    elementwise = apply_interleaved_rotary(x, rope(positions))
-    assert isinstance(rope(positions), tuple) and isinstance(rope(positions[:8]), torch.Tensor)
-    by_matrix = torch.cat([apply_interleaved_rotary(x[i : i + 8], rope(positions[i : i + 8])) for i in range(0, 200, 8)])
+    by_matrix = torch.cat([apply_interleaved_rotary(x[i : i + 8], rope(positions[i : i + 8], i + 8))
+                           for i in range(0, 200, 8)])
+    elementwise = apply_interleaved_rotary(x, rope(positions, 200))
+    assert isinstance(rope(positions, 200), tuple) and isinstance(rope(positions[:8], 8), torch.Tensor)
     torch.testing.assert_close(by_matrix, elementwise)
+
+
+def test_the_rotary_table_grows_to_the_furthest_position_with_the_same_angles():
+    """The table starts at 256 positions and doubles past them; every entry is YaRN's scaled cos/sin."""
+    rope = RotaryEmbedding({"rope_parameters": dict(YARN), "max_position_embeddings": 128}, 8)
+    rope(torch.arange(4), 4)
+    assert len(rope.table) == 256
+    positions = torch.cat([torch.tensor([3, 255, 256, 700]), torch.arange(100)])  # past 64: (cos, sin) come back
+    cos, sin = rope(positions, 701)
+    assert len(rope.table) == 701
+    angles = positions.float()[:, None] * rope.inv_freq
+    torch.testing.assert_close(cos[:, :4], angles.cos() * rope.attention_factor)
+    torch.testing.assert_close(sin[:, 4:], angles.sin() * rope.attention_factor)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

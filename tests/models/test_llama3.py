@@ -94,9 +94,9 @@ def test_rotation_matrices_and_elementwise_rotation_agree(llama3_rope):
     config = {"rope_parameters": llama3_rope}
     rotary, positions = Rotary(config, 16, torch.float32), torch.arange(200)
     x = torch.randn(len(positions), 3, 16)
-    elementwise = apply_rotary(x, rotary(positions))
-    assert isinstance(rotary(positions), tuple) and isinstance(rotary(positions[:8]), torch.Tensor)
-    by_matrix = torch.cat([apply_rotary(x[i : i + 8], rotary(positions[i : i + 8])) for i in range(0, 200, 8)])
+    by_matrix = torch.cat([apply_rotary(x[i : i + 8], rotary(positions[i : i + 8], i + 8)) for i in range(0, 200, 8)])
+    elementwise = apply_rotary(x, rotary(positions, 200))
+    assert isinstance(rotary(positions, 200), tuple) and isinstance(rotary(positions[:8], 8), torch.Tensor)
     torch.testing.assert_close(by_matrix, elementwise)
 
 
