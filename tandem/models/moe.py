@@ -117,7 +117,7 @@ class RoutedExperts(Layer):
     over the sorted rows, weighted and scattered back with ``index_add_``.
 
     On the CPU, where reading the routing is free, the host sorts the pairs (the device's sort
-    and search cost a verify step 3%), and one token (a decode step, a chained draft step) skips
+    and search cost a verify step 1.6%), and one token (a decode step, a chained draft step) skips
     the dispatch: its k experts run one after another (:meth:`one_token`), 15 ops for 30.
     """
 
@@ -134,10 +134,12 @@ class RoutedExperts(Layer):
             return self.one_token(x, weights, experts)
         top_k, num_experts = experts.shape[1], self.gate_up.shape[0]
         if x.device.type == "cpu":
-            picks = experts.flatten().tolist()
-            pairs = sorted(range(len(picks)), key=picks.__getitem__)  # (token, choice) pairs grouped by expert
+            by_expert: list[list[int]] = [[] for _ in range(num_experts)]  # (token, choice) pairs grouped by expert
+            for pair, expert in enumerate(experts.flatten().tolist()):
+                by_expert[expert].append(pair)
+            pairs = list(itertools.chain.from_iterable(by_expert))
             order, tokens = int64_tensor(pairs), int64_tensor([pair // top_k for pair in pairs])
-            ends = list(itertools.accumulate(picks.count(expert) for expert in range(num_experts)))
+            ends = list(itertools.accumulate(map(len, by_expert)))
         else:
             sorted_experts, order = experts.flatten().sort(stable=True)
             tokens = order // top_k

@@ -163,8 +163,9 @@ class RotaryEmbedding(RotaryTable):
 
 
 def apply_interleaved_rotary(x: Tensor, rope: Rope) -> Tensor:
-    """Rotate interleaved pairs of ``x: [T, heads, dim]`` (in the model's dtype) by what :class:`RotaryEmbedding` returned
-    for its positions. Returns ``[T, heads, dim]`` in x's dtype, de-interleaved (see the module docstring).
+    """Rotate interleaved pairs of ``x: [T, heads, dim]`` (in the model's dtype) by what
+    :class:`RotaryEmbedding` returned for its positions. Returns ``[T, heads, dim]``, de-interleaved
+    (see the module docstring).
     """
     if isinstance(rope, Tensor):
         return torch.bmm(x, rope)
