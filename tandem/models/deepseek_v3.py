@@ -110,9 +110,7 @@ class MultiHeadLatentAttention(Layer):
         self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias, **factory)
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5 * softmax_scale_factor
 
-    def forward(
-        self, x: Tensor, rope: Rope, layout: RaggedLayout, latent_cache: Tensor
-    ) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, layout: RaggedLayout, latent_cache: Tensor) -> Tensor:
         """Write this batch's latents into ``latent_cache [num_slots, max_len, r + rope]`` and attend.
 
         ``x: [T, H]``, ``rope``: the :class:`RotaryEmbedding` of the tokens' positions -> ``[T, H]``.
@@ -154,9 +152,7 @@ class DecoderLayer(Layer):
         else:
             self.mlp = GatedMLP(hidden, config["intermediate_size"], **factory)
 
-    def forward(
-        self, x: Tensor, rope: Rope, layout: RaggedLayout, latent_cache: Tensor
-    ) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, layout: RaggedLayout, latent_cache: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, layout, latent_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 

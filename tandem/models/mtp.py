@@ -65,14 +65,14 @@ class MultiTokenPredictor(nn.Module):
         hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
         self.layer_id = config["num_hidden_layers"]
         self.latent_dim = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-        self.rope = RotaryEmbedding(config, config["qk_rope_head_dim"], dtype or torch.get_default_dtype())
+        self.dtype = dtype or torch.get_default_dtype()  # of the parameters, the cache and the rotations
+        self.rope = RotaryEmbedding(config, config["qk_rope_head_dim"], self.dtype)
         self.enorm = RMSNorm(hidden, eps=eps, **factory)
         self.hnorm = RMSNorm(hidden, eps=eps, **factory)
         self.eh_proj = Linear(2 * hidden, hidden, bias=False, **factory)
         self.layer = DecoderLayer(config, self.layer_id, self.rope.softmax_scale_factor, **factory)
         self.shared_head_norm = RMSNorm(hidden, eps=eps, **factory)
         self._embed, self._lm_head = target.embed, target.lm_head
-        self.dtype = dtype
 
     @property
     def prefix(self) -> str:
