@@ -108,6 +108,18 @@ def test_a_step_by_step_walk_offers_row_i_before_token_i(grammar, tokenizer, dat
     assert torch.equal(out[0], fresh_mask(new_matcher, committed, masker.width)), "finish rolls the walk back"
 
 
+def test_a_terminated_matcher_refuses_every_token_quietly(grammar, tokenizer, capfd):
+    """Walks probe drafts past an accepted EOS: refused, state unchanged, nothing logged."""
+    new_matcher, texts = grammar
+    matcher = new_matcher()
+    for token in texts[0]:
+        assert matcher.accept_token(token)
+    capfd.readouterr()
+    assert not any(matcher.accept_token(token) for token in (0, texts[0][0], tokenizer.eos_token_id))
+    assert matcher.is_terminated()
+    assert capfd.readouterr() == ("", "")
+
+
 @settings(max_examples=40)
 @given(data=st.data(), rollback=st.integers(0, MAX_K))
 def test_rollback_restores_exact_state(grammar, tokenizer, data, rollback):

@@ -36,7 +36,9 @@ class XGrammarMatcher:
         self._matcher = xgr.GrammarMatcher(compiled)
 
     def accept_token(self, token: int) -> bool:
-        return self._matcher.accept_token(token)
+        # After EOS every token is refused; xgrammar would also log a warning for each (a walk
+        # probes drafts past an accepted EOS).
+        return not self._matcher.is_terminated() and self._matcher.accept_token(token)
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
