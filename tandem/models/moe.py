@@ -130,10 +130,10 @@ class RoutedExperts(Layer):
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """``x: [T, H]``, ``weights: [T, k] float32``, ``experts: [T, k] int64`` -> ``[T, H]`` in x's dtype."""
-        if len(x) == 1 and x.device.type == "cpu":
-            return self.one_token(x, weights, experts)
         top_k, num_experts = experts.shape[1], self.gate_up.shape[0]
         if x.device.type == "cpu":
+            if len(x) == 1:
+                return self.one_token(x, weights, experts)
             by_expert: list[list[int]] = [[] for _ in range(num_experts)]  # (token, choice) pairs grouped by expert
             for pair, expert in enumerate(experts.flatten().tolist()):
                 by_expert[expert].append(pair)

@@ -141,7 +141,7 @@ class RotaryEmbedding(RotaryTable):
         dtype: the model's.
     """
 
-    def __init__(self, config: dict[str, Any], dim: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: dict[str, Any], dim: int, dtype: torch.dtype):
         if dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {dim}")
         params = rope_parameters(config, ("default", "yarn"), "DeepSeek-V3")

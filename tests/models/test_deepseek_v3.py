@@ -130,7 +130,7 @@ def test_a_prefill_longer_than_the_rotation_matrices_matches_transformers(tmp_pa
 
 @pytest.mark.parametrize("rope_parameters", [dict(YARN), None])
 def test_interleaved_rotation_matrices_and_elementwise_rotation_agree(rope_parameters):
-    rope = RotaryEmbedding({"rope_parameters": rope_parameters, "max_position_embeddings": 128}, 8)
+    rope = RotaryEmbedding({"rope_parameters": rope_parameters, "max_position_embeddings": 128}, 8, torch.float32)
     positions = torch.arange(200)
     x = torch.randn(len(positions), 3, 8, generator=torch.Generator().manual_seed(0))
     by_matrix = torch.cat([apply_interleaved_rotary(x[i : i + 8], rope(positions[i : i + 8], i + 8))
@@ -142,7 +142,7 @@ def test_interleaved_rotation_matrices_and_elementwise_rotation_agree(rope_param
 
 def test_the_rotary_table_grows_to_the_furthest_position_with_the_same_angles():
     """The table starts at 256 positions and doubles past them; every entry is YaRN's scaled cos/sin."""
-    rope = RotaryEmbedding({"rope_parameters": dict(YARN), "max_position_embeddings": 128}, 8)
+    rope = RotaryEmbedding({"rope_parameters": dict(YARN), "max_position_embeddings": 128}, 8, torch.float32)
     rope(torch.arange(4), 4)
     assert len(rope.table) == 256
     positions = torch.cat([torch.tensor([3, 255, 256, 700]), torch.arange(100)])  # past 64: (cos, sin) come back
@@ -260,7 +260,7 @@ def test_published_rope_scaling_config_matches_transformers_yarn():
     """The published config.json spells YaRN as ``rope_scaling`` + ``rope_theta``; both spellings agree with HF."""
     published = {"rope_theta": 10000.0, "max_position_embeddings": 128, "rope_scaling": {**YARN, "type": "yarn"}}
     del published["rope_scaling"]["rope_type"], published["rope_scaling"]["rope_theta"]
-    ours = RotaryEmbedding(published, 8)
+    ours = RotaryEmbedding(published, 8, torch.float32)
     hf_inv_freq, hf_attention_factor = ROPE_INIT_FUNCTIONS["yarn"](tiny_config())
     assert torch.equal(ours.inv_freq, hf_inv_freq)
     assert ours.attention_factor == hf_attention_factor
