@@ -3,7 +3,10 @@
 For each shipped demo model: tokens/s of the plain path and of every available draft (k = 2, 4),
 mean accepted length, with and without the task's JSON schema, relaxed acceptance on and off,
 batch 1 and 8; and `transformers`' own `generate` on the same weights (plain, and with prompt
-lookup, its n-gram speculation). Prompts are held-out demo-corpus chats. Greedy throughout, so
+lookup, its n-gram speculation). tandem's runs also give their decode tokens/s: the tokens after
+each request's first one over the time after it (1 / TPOT at batch 1), which leaves out the
+prefill that the short demo chats spend 10-20% of their time in. Prompts are held-out
+demo-corpus chats. Greedy throughout, so
 every speculative run must reproduce the plain run's tokens (checked in every round, reported as
 `exact`).
 
@@ -134,11 +137,14 @@ def _interleaved_rounds(cases: dict[tuple, tuple[Run, list[list[int]]]], args: a
 
 
 def _fastest(runs: list[dict]) -> dict:
-    """The fastest round's figures (tokens/s, and mean accepted length for tandem's own runs)."""
+    """The fastest round's figures (tokens/s; for tandem's own runs also the decode tokens/s and
+    the mean accepted length)."""
     run = min(runs, key=lambda r: r["seconds"])
     row = {"tokens_per_s": round(_rate(run), 2), "generated": run["generated"],
            "seconds": round(run["seconds"], 3)}
     if "steps" in run:
+        row["decode_tokens_per_s"] = round(_decode_rate(run), 2)
+        row["first_token_seconds"] = round(run["first_token_seconds"], 3)
         row["mean_accepted_length"] = round((run["accepted"] + run["steps"]) / max(run["steps"], 1), 3)
     return row
 
@@ -147,16 +153,31 @@ def _rate(run: dict) -> float:
     return run["generated"] / run["seconds"]
 
 
+def _decode_rate(run: dict) -> float:
+    """Tokens/s after each request's first token: the rate a streaming client sees (1 / TPOT at batch 1)."""
+    return (run["generated"] - run["requests"]) / (run["seconds"] - run["first_token_seconds"])
+
+
 def measure(llm, prompts: list[list[int]], schemas: list, group: list[int], max_tokens: int) -> dict:
-    """Generate the prompts `group` as one batch (one schema per prompt); time and count."""
+    """Generate the prompts `group` as one batch (one schema per prompt); time and count.
+
+    ``first_token_seconds`` is when every request had its first token (its prefill done), which
+    splits ``seconds`` into prefill and decode.
+    """
     engine = llm.engine
     start = time.perf_counter()
     ids = [engine.add_request(prompts[i], SamplingParams(max_tokens=max_tokens, json_schema=schemas[i])) for i in group]
+    waiting_first_token, first_token_seconds = set(ids), None
     while engine.has_unfinished():
-        engine.step()
+        deltas = engine.step()
+        if waiting_first_token:
+            waiting_first_token -= {d.request_id for d in deltas if d.token_ids or d.finish_reason}
+            if not waiting_first_token:
+                first_token_seconds = time.perf_counter() - start
     outputs = [engine.pop_finished(i) for i in ids]
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "generated": sum(len(o.token_ids) for o in outputs),
+    return {"seconds": seconds, "first_token_seconds": first_token_seconds, "requests": len(ids),
+            "generated": sum(len(o.token_ids) for o in outputs),
             "steps": sum(o.stats.steps for o in outputs), "accepted": sum(o.stats.accepted for o in outputs),
             "tokens": [o.token_ids for o in outputs]}
 
@@ -194,8 +215,8 @@ def _ratios(rounds: dict[tuple, list[dict]], k: int, batch: int) -> tuple[dict, 
     """The headline ratios, greedy, for the largest k and the smallest batch measured (transformers
     runs batch 1): each the median over rounds of the within-round ratio of tokens/s; and each
     one's [min, max] over rounds."""
-    def ratio(numerator: tuple, denominator: tuple) -> list[float]:
-        return sorted(_rate(a) / _rate(b) for a, b in zip(rounds[numerator], rounds[denominator]))
+    def ratio(numerator: tuple, denominator: tuple, rate: Callable[[dict], float] = _rate) -> list[float]:
+        return sorted(rate(a) / rate(b) for a, b in zip(rounds[numerator], rounds[denominator]))
 
     plain = "none", 0, False, False, batch
     per_round = {"tandem_plain_vs_transformers_plain": ratio(plain, ("transformers", "plain"))}
@@ -203,6 +224,7 @@ def _ratios(rounds: dict[tuple, list[dict]], k: int, batch: int) -> tuple[dict, 
         spec, spec_schema = (draft, k, False, False, batch), (draft, k, False, True, batch)
         if spec in rounds:
             per_round[f"{draft}_k{k}_vs_plain"] = ratio(spec, plain)
+            per_round[f"{draft}_k{k}_decode_vs_plain"] = ratio(spec, plain, _decode_rate)
             if spec_schema in rounds:
                 per_round[f"{draft}_k{k}_schema_vs_unconstrained"] = ratio(spec_schema, spec)
     ratios = {name: round(statistics.median(values), 3) for name, values in per_round.items()}

@@ -108,7 +108,10 @@ def test_cli_bench_compares_the_paths_in_one_json_line(capsys):
     assert {r["draft"] for r in runs} == {"none", "eagle3", "eagle", "ngram"}
     assert all(r["exact"] for r in runs if r["draft"] != "none" and not r["relaxed"])
     ratios = report["models"]["demo-llama"]["ratios"]
-    assert {"tandem_plain_vs_transformers_plain", "eagle3_k2_vs_plain", "eagle3_k2_schema_vs_unconstrained"} <= set(ratios)
+    assert {"tandem_plain_vs_transformers_plain", "eagle3_k2_vs_plain", "eagle3_k2_decode_vs_plain",
+            "eagle3_k2_schema_vs_unconstrained"} <= set(ratios)
+    assert all(0 < r["first_token_seconds"] < r["seconds"] for r in runs)
+    assert all(r["decode_tokens_per_s"] > 0 for r in runs)
     ratio_range = report["models"]["demo-llama"]["ratio_range"]
     assert ratio_range.keys() == ratios.keys()
     assert all(low <= ratios[name] <= high for name, (low, high) in ratio_range.items())
@@ -133,10 +136,22 @@ def test_bench_ratios_are_medians_of_ratios_within_a_round():
     from tandem.bench import _ratios
 
     slowdown = [1.0, 2.0, 1.5]
-    plain = [{"generated": 100, "seconds": s} for s in slowdown]
-    spec = [{"generated": 100, "seconds": s / 2 * burst} for s, burst in zip(slowdown, [1.2, 1, 1])]
+    plain = [{"generated": 100, "seconds": s, "first_token_seconds": s / 10, "requests": 1} for s in slowdown]
+    spec = [{"generated": 100, "seconds": s / 2 * burst, "first_token_seconds": s / 20, "requests": 1}
+            for s, burst in zip(slowdown, [1.2, 1, 1])]
     peer = [{"generated": 50, "seconds": s} for s in slowdown]
     rounds = {("none", 0, False, False, 1): plain, ("eagle", 4, False, False, 1): spec, ("transformers", "plain"): peer}
     ratios, ratio_range = _ratios(rounds, k=4, batch=1)
-    assert ratios == {"tandem_plain_vs_transformers_plain": 2.0, "eagle_k4_vs_plain": 2.0}
-    assert ratio_range == {"tandem_plain_vs_transformers_plain": [2.0, 2.0], "eagle_k4_vs_plain": [1.667, 2.0]}
+    assert ratios == {"tandem_plain_vs_transformers_plain": 2.0, "eagle_k4_vs_plain": 2.0,
+                      "eagle_k4_decode_vs_plain": 2.0}
+    assert ratio_range == {"tandem_plain_vs_transformers_plain": [2.0, 2.0], "eagle_k4_vs_plain": [1.667, 2.0],
+                           "eagle_k4_decode_vs_plain": [1.636, 2.0]}
+
+
+def test_bench_decode_rate_leaves_out_each_requests_first_token_and_the_time_to_it():
+    """Two requests; 1 s until both had their first token, 21 tokens in all: the other 19 took 2 s."""
+    from tandem.bench import _fastest
+
+    run = {"seconds": 3.0, "first_token_seconds": 1.0, "requests": 2, "generated": 21, "steps": 10, "accepted": 11}
+    row = _fastest([run, {**run, "seconds": 4.0}])
+    assert (row["tokens_per_s"], row["decode_tokens_per_s"], row["mean_accepted_length"]) == (7.0, 9.5, 2.1)
