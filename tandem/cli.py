@@ -38,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(known.module)
     sub = argparse.ArgumentParser(prog=f"tandem {known.command}", description=COMMANDS[known.command][1])
     module.add_arguments(sub)
-    return int(module.run(sub.parse_args(argv[1:])) or 0)
+    args = sub.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except (ValueError, FileNotFoundError) as error:  # bad input (tandem's own errors are ValueErrors): say
+        sub.exit(2, f"{sub.prog}: error: {error}\n")  # what and where, as argparse does, without a traceback
 
 
 if __name__ == "__main__":

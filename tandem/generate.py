@@ -28,9 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tandem.llm import LLM, best_draft, resolve_model
 
+    schema = _read_schema(args.schema) if args.schema else None
     draft = {"auto": best_draft(resolve_model(args.model)), "none": None}.get(args.draft, args.draft)
     llm = LLM(args.model, draft, num_speculative_tokens=args.num_speculative_tokens)
-    schema = json.loads(args.schema.read_text()) if args.schema else None
     params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens, json_schema=schema)
     out = llm.chat([{"role": "user", "content": args.prompt}], params)
     if args.json:
@@ -45,3 +45,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"[{out.finish_reason}; {len(out.token_ids)} tokens in {stats.steps} steps, "
           f"mean accepted length {stats.mean_accepted_length:.2f}]", file=sys.stderr)
     return 0
+
+
+def _read_schema(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--schema {path}: not JSON ({error})") from error

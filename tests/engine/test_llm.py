@@ -98,6 +98,24 @@ def test_cli_generate_runs_the_demo_model_with_its_best_draft_and_a_schema(tmp_p
     assert out["stats"]["mean_accepted_length"] > 1
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--schema", "{bad}"], "--schema {bad}: not JSON (Expecting property name"),
+    (["--schema", "{typo}"], "json_schema at /properties/a/type: 'strin' is not valid"),
+    (["--schema", "missing.json"], "No such file or directory: 'missing.json'"),
+    (["--model", "nowhere"], "model 'nowhere': no config.json"),
+    (["--draft", "medusa"], "draft 'medusa': not a kind"),
+])
+def test_cli_reports_bad_input_in_one_line_without_a_traceback(argv, says, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "{bad}").write_text("{not json")
+    (tmp_path / "{typo}").write_text(json.dumps({"type": "object", "properties": {"a": {"type": "strin"}}}))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "hi", "--max-tokens", "4", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("tandem generate: error: ") and says in err
+    assert "Traceback" not in err
+
+
 def test_cli_bench_compares_the_paths_in_one_json_line(capsys):
     argv = ["bench", "--json", "--models", "demo-llama", "--prompts", "2", "--max-tokens", "8", "--k", "2",
             "--batch", "2", "--device", "cpu", "--dtype", "float32"]
