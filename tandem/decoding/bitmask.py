@@ -8,7 +8,6 @@ llguidance's layout, so their matchers fill our buffers directly. Bits past V ar
 from __future__ import annotations
 
 import torch
-from xgrammar.kernels.apply_token_bitmask_inplace_cpu import apply_token_bitmask_inplace_cpu
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -21,24 +20,6 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     return bits.flatten(-2)[..., :vocab_size].bool()
-
-
-def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Set every token ``bitmask`` forbids to -inf in ``logits``, in place; returns ``logits``.
-
-    logits:  [..., V] float, contiguous (MODIFIED)
-    bitmask: [..., W] int32 with the same leading dims, on logits' device
-    On the CPU xgrammar's kernel reads the words directly: a decode row costs a third of the
-    unpack-and-fill (the drafts of a constrained step apply one per token). Only for whole words:
-    given a partial last word, xgrammar 0.2.8 writes -inf one past a row that allows every token.
-    """
-    vocab_size, width = logits.shape[-1], bitmask.shape[-1]
-    if width != bitmask_width(vocab_size):
-        raise ValueError(f"a bitmask over {vocab_size} tokens has {bitmask_width(vocab_size)} words, got {width}")
-    if logits.device.type == "cpu" and vocab_size % 32 == 0:
-        apply_token_bitmask_inplace_cpu(logits.view(-1, vocab_size), bitmask.reshape(-1, width), vocab_size)
-        return logits
-    return logits.masked_fill_(~unpack_bitmask(bitmask, vocab_size), float("-inf"))
 
 
 def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.decoding.bitmask import apply_bitmask_, bitmask_width
+from tandem.decoding.bitmask import bitmask_width, unpack_bitmask
 from tandem.decoding.checks import FLOAT_DTYPES, check_tensor
 from tandem.decoding.params import SamplingTensors
 from tandem.decoding.rng import STREAM_EMIT, uniform
@@ -37,9 +37,9 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[tor
              rows are all zeros (so later math stays finite; their output is discarded);
              dead [...] bool, True where no token is allowed.
     """
-    masked = logits.to(torch.float32, copy=bitmask is not None)
+    masked = logits.float()
     if bitmask is not None:
-        apply_bitmask_(masked, bitmask)
+        masked = masked.masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
     dead = masked.amax(dim=-1) == float("-inf")
     return masked.masked_fill(dead.unsqueeze(-1), 0.0), dead
 

@@ -19,7 +19,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from tandem.decoding.bitmask import apply_bitmask_, bitmask_width, pack_bitmask
+from tandem.decoding.bitmask import bitmask_width, pack_bitmask, unpack_bitmask
 from tandem.grammars.backends.base import Matcher
 from tandem.grammars.thinking import ThinkingTracker
 from tandem.transfer import to_device
@@ -120,11 +120,10 @@ class MaskWalk:
         self.position = 0
         self._fill_position()
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Set the tokens not allowed at the current position to -inf in ``logits [B, V]`` (in place,
-        on the walk's device); returns ``logits``."""
-        # Packed words cross to the device (32x fewer bytes than the bools).
-        return apply_bitmask_(logits, to_device(self.bitmask[:, self.position], self.device))
+    def allowed(self) -> torch.Tensor:
+        """``[B, V]`` bool on the walk's device: the tokens allowed at the current position."""
+        # Packed words cross to the device (32x fewer bytes than the bools), then unpack there.
+        return unpack_bitmask(to_device(self.bitmask[:, self.position], self.device), self.masker.vocab_size)
 
     def advance(self, tokens: Sequence[int] | torch.Tensor) -> None:
         """Take token ``position`` of every row (``[B]``; -1 = no token) and write the next mask row."""

@@ -265,14 +265,13 @@ class Target(Protocol):
 class DraftConstraint(Protocol):
     """Grammar-aware drafting: what each row may propose at each chained position.
 
-    A draft that chooses its tokens calls :meth:`apply` on its logits before choosing token i and
+    A draft that chooses its tokens calls :meth:`allowed` before choosing token i and
     :meth:`advance` with its choice after (for every i < k, the last one included). Drafts are
     still verified by the target; this only spares proposals the target's grammar mask rejects.
     """
 
-    def apply(self, logits: Tensor) -> Tensor:
-        """Set the tokens not allowed at the current position to -inf in ``logits [B, V]`` (in place,
-        on the draft's device); returns ``logits``."""
+    def allowed(self) -> Tensor:
+        """``[B, V]`` bool on the draft's device: the tokens allowed at the current position."""
         ...
 
     def advance(self, tokens: Tensor) -> None:

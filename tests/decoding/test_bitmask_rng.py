@@ -1,14 +1,13 @@
 """The bitmask layout (xgrammar's) and the counter-based random numbers."""
 
 import numpy as np
-import pytest
 import torch
 import xgrammar
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from tandem.decoding.bitmask import apply_bitmask_, bitmask_width, pack_bitmask, token_allowed, unpack_bitmask
+from tandem.decoding.bitmask import bitmask_width, pack_bitmask, token_allowed, unpack_bitmask
 from tandem.decoding.rng import STREAM_ACCEPT, STREAM_EMIT, uniform
 
 from .reference import ALPHA
@@ -32,31 +31,6 @@ def test_layout_is_xgrammars():
     logits = torch.zeros(4, vocab_size)
     xgrammar.apply_token_bitmask_inplace(logits, pack_bitmask(allowed))
     assert torch.equal(logits == 0, allowed)
-
-
-@given(st.integers(1, 200), st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 2**31 - 1))
-@settings(max_examples=60)
-def test_apply_bitmask_sets_exactly_the_forbidden_tokens_to_minus_inf(vocab_size, dtype, seed):
-    """[B, k+1, V] logits against a window of walked rows, and one strided row per batch row (a draft's)."""
-    generator = torch.Generator().manual_seed(seed)
-    allowed = torch.rand(2, 3, vocab_size, generator=generator) < 0.5
-    logits = torch.randn(2, 3, vocab_size, generator=generator).to(dtype)
-    expected = logits.masked_fill(~allowed, float("-inf"))
-    window = pack_bitmask(allowed)
-    assert torch.equal(apply_bitmask_(logits.clone(), window), expected)
-    assert torch.equal(apply_bitmask_(logits[:, 1].clone(), window[:, 1]), expected[:, 1])
-
-
-@pytest.mark.parametrize("vocab_size", [100, 128])
-def test_apply_bitmask_leaves_rows_that_allow_everything_alone(vocab_size):
-    logits = torch.randn(3, vocab_size)
-    expected = logits.clone()
-    assert torch.equal(apply_bitmask_(logits, pack_bitmask(torch.ones(3, vocab_size, dtype=torch.bool))), expected)
-
-
-def test_apply_bitmask_refuses_a_mask_of_another_vocabulary():
-    with pytest.raises(ValueError, match="over 100 tokens has 4 words, got 3"):
-        apply_bitmask_(torch.zeros(2, 100), torch.zeros(2, 3, dtype=torch.int32))
 
 
 def test_uniforms_are_uniform_and_in_range():

@@ -121,11 +121,10 @@ class ForcedTokens:
     def __init__(self, forced: list[list[int]], vocab_size: int):
         self.forced, self.vocab_size, self.seen = forced, vocab_size, []
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        rows, tokens = torch.arange(len(self.forced)), [row[len(self.seen)] for row in self.forced]
-        kept = logits[rows, tokens]
-        logits.fill_(float("-inf"))[rows, tokens] = kept
-        return logits
+    def allowed(self) -> torch.Tensor:
+        mask = torch.zeros(len(self.forced), self.vocab_size, dtype=torch.bool)
+        mask[torch.arange(len(self.forced)), [row[len(self.seen)] for row in self.forced]] = True
+        return mask
 
     def advance(self, tokens: torch.Tensor) -> None:
         self.seen.append(tokens.tolist())
