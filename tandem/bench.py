@@ -6,9 +6,8 @@ batch 1 and 8; and `transformers`' own `generate` on the same weights (plain, an
 lookup, its n-gram speculation). tandem's runs also give their decode tokens/s: the tokens after
 each request's first one over the time after it (1 / TPOT at batch 1), which leaves out the
 prefill that the short demo chats spend 10-20% of their time in. Prompts are held-out
-demo-corpus chats. Greedy throughout, so
-every speculative run must reproduce the plain run's tokens (checked in every round, reported as
-`exact`).
+demo-corpus chats. Greedy throughout, so every speculative run must reproduce the plain run's
+tokens (checked in every round, reported as `exact`).
 
 The machine's speed drifts by tens of percent over seconds, so the cases are interleaved finely:
 each of `--repeats` rounds runs every case on the first prompt group, then every case on the
