@@ -162,7 +162,7 @@ def test_verify_masks_come_from_the_draft_walk_and_equal_a_fresh_fill(llms, pair
         masks = submit_masks(rows, drafts)
         if masks is not None and all(r.walked_masks is not None for r in rows):
             reused += 1
-            bitmask, in_thinking, _ = masks[0].wait()
+            bitmask, in_thinking = (mask.cpu() for mask in masks[0].wait()[:2])  # `fill` writes host buffers
             fresh_bitmask, fresh_thinking = torch.zeros_like(bitmask), torch.zeros_like(in_thinking)
             engine.masker.fill([r.request_id for r in rows], drafts, fresh_bitmask, fresh_thinking)
             assert torch.equal(bitmask, fresh_bitmask) and torch.equal(in_thinking, fresh_thinking)

@@ -211,6 +211,14 @@ def test_fill_rejects_a_buffer_of_the_wrong_shape(tokenizer):
         masker.fill([], torch.zeros(0, 2, dtype=torch.int64), torch.zeros(1, 2, masker.width, dtype=torch.int32), torch.zeros(1, 3, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("device", ["meta", "cuda"][: 1 + torch.cuda.is_available()])
+def test_fill_rejects_a_device_buffer_instead_of_writing_through_its_pointer(tokenizer, device):
+    masker = SpeculativeMasker(tokenizer.vocab_size)
+    bitmask = torch.zeros(1, 3, masker.width, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=f"contiguous CPU tensors, got {device}"):
+        masker.fill([], torch.zeros(0, 2, dtype=torch.int64), bitmask, torch.zeros(1, 3, dtype=torch.bool))
+
+
 def test_placeholder_padded_drafts_end_the_walk_like_a_forbidden_draft(grammar, tokenizer):
     """A row with fewer drafts than k (an n-gram miss) is padded with PLACEHOLDER_TOKEN_ID."""
     new_matcher, texts = grammar
