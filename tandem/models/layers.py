@@ -39,7 +39,7 @@ class RMSNorm(Layer):
     """``weight * x / rms(x)``, normalised in float32 like HF's LlamaRMSNorm. ``x: [..., D]``.
 
     Narrower inputs take one ``F.rms_norm`` call with the weight (one fused kernel on a GPU, float32
-    inside, one rounding at the end) where HF's upcast, normalise, downcast and scale launch five:
+    inside, one rounding at the end) where HF's upcast, normalise, downcast and scale launch four:
     on an H100 the Llama demo's bfloat16 decode step launched 228 kernels, 132 of them for its 33 norms.
     """
 
