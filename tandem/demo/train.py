@@ -64,7 +64,7 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 TARGETS = {"llama": "demo-llama", "deepseek": "demo-deepseek"}
 DRAFTS = ("eagle3", "eagle", "mtp")  # trained after the targets (tandem.demo.drafts)
 # what the shipped models trained for
-DEFAULT_STEPS = {"llama": 2800, "deepseek": 1000, "eagle3": 1000, "eagle": 600, "mtp": 1000}
+DEFAULT_STEPS = {"llama": 2800, "deepseek": 1000, "eagle3": 1000, "eagle": 1000, "mtp": 1000}
 
 
 @dataclass
