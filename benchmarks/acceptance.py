@@ -4,7 +4,7 @@ stochastic and masked batches. Prints one JSON object (the last line of stdout).
 Baseline in the same run: `sample` over the same B*(k+1) positions (what plain decoding
 pays to sample that many tokens, with the same settings and masks); `vs_plain` is the ratio.
 
-    python benchmarks/acceptance.py [--repeats N] [--vocab 32000 128256] [--batch 1 16 64]
+    python benchmarks/acceptance.py [--min-run-time S] [--vocab 32000 128256] [--batch 1 16 64]
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 
 import torch
+from torch.utils.benchmark import Timer
 
 from tandem.decoding import SamplingTensors, accept, sample
 from tandem.decoding.bitmask import pack_bitmask
@@ -49,14 +49,9 @@ def _plain_sampling(logits: torch.Tensor, options: dict, k: int):
     return lambda: sample(flat, sampling, bitmask)
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+def _median_seconds(fn, min_run_time: float) -> float:
+    """torch's timer: a warm-up, then blocks of calls for `min_run_time` seconds; the median block's time per call."""
+    return Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
 
 
 def main() -> None:
@@ -64,16 +59,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--vocab", type=int, nargs="+", default=[32_000, 128_256])
     parser.add_argument("-k", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds timed per case")
     args = parser.parse_args()
     results = []
     for vocab in args.vocab:
         for batch in args.batch:
             for kind in ("greedy", "stochastic", "masked"):
                 inputs, options = _case(kind, batch, args.k, vocab)
-                seconds = _time(lambda: accept(*inputs, **options), args.repeats)
+                seconds = _median_seconds(lambda: accept(*inputs, **options), args.min_run_time)
                 plain = _plain_sampling(inputs[0], options, args.k)
-                plain_seconds = _time(plain, args.repeats)
+                plain_seconds = _median_seconds(plain, args.min_run_time)
                 row = {"kind": kind, "batch": batch, "k": args.k, "vocab": vocab, "median_ms": round(seconds * 1e3, 3),
                        "plain_sample_ms": round(plain_seconds * 1e3, 3), "vs_plain": round(seconds / plain_seconds, 3)}
                 results.append(row)

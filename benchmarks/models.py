@@ -7,7 +7,7 @@ verify see identical contexts. ``verify_over_decode`` is the cost ratio that dec
 speculation pays off: with acceptance length ``a``, speculation wins when ``a > ratio``.
 Prints one JSON object (the last line of stdout).
 
-    python benchmarks/models.py [--batch 1 8] [--k 4] [--context 256] [--repeats 20]
+    python benchmarks/models.py [--batch 1 8] [--k 4] [--context 256] [--min-run-time 1.0]
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from torch.utils.benchmark import Timer
 
 from tandem.models import ForwardBatch, load_target
 
@@ -49,18 +48,13 @@ def _save_deepseek(path: Path) -> None:
     DeepseekV3ForCausalLM(config).save_pretrained(path)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+def _median_ms(fn, min_run_time: float) -> float:
+    """torch's timer: a warm-up, then blocks of calls for `min_run_time` seconds; the median block's ms per call."""
+    return 1000 * Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
 
 
 @torch.inference_mode()
-def bench_target(path: Path, batch: int, k: int, context: int, repeats: int) -> dict:
+def bench_target(path: Path, batch: int, k: int, context: int, min_run_time: float) -> dict:
     target = load_target(path)
     cache = target.new_cache(batch, context + k + 1)
     slots = list(range(batch))
@@ -79,8 +73,8 @@ def bench_target(path: Path, batch: int, k: int, context: int, repeats: int) -> 
 
         return run
 
-    decode_ms = _median_ms(step(1), repeats)
-    verify_ms = _median_ms(step(k + 1), repeats)
+    decode_ms = _median_ms(step(1), min_run_time)
+    verify_ms = _median_ms(step(k + 1), min_run_time)
     return {"decode_ms": round(decode_ms, 3), "verify_ms": round(verify_ms, 3),
             "verify_over_decode": round(verify_ms / decode_ms, 3)}
 
@@ -90,7 +84,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds timed per step kind")
     args = parser.parse_args()
     torch.manual_seed(0)
     report = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
@@ -100,7 +94,7 @@ def main() -> None:
             path = Path(tmp) / name
             try:
                 save(path)
-                results = {f"batch_{b}": bench_target(path, b, args.k, args.context, args.repeats) for b in args.batch}
+                results = {f"batch_{b}": bench_target(path, b, args.k, args.context, args.min_run_time) for b in args.batch}
             except (ImportError, AttributeError) as error:  # a provider module not written yet
                 results = {"skipped": f"{type(error).__name__}: {error}"}
             report["targets"][name] = results

@@ -112,7 +112,8 @@ class MaskWalk:
             raise ValueError(f"buffers {list(bitmask.shape)} / {list(in_thinking.shape)} too small for {batch} rows, k={k}")
         if bitmask.device.type != "cpu" or in_thinking.device.type != "cpu" or not bitmask.is_contiguous():
             # The backends write the rows through raw host pointers: a device buffer would crash the process.
-            raise ValueError(f"buffers must be contiguous CPU tensors, got {bitmask.device} / {in_thinking.device}")
+            raise ValueError(f"bitmask must be a contiguous CPU tensor and in_thinking a CPU tensor, got "
+                             f"{bitmask.device} (contiguous: {bitmask.is_contiguous()}) / {in_thinking.device}")
         self.masker, self.k, self.device = masker, k, torch.device(device)
         self.bitmask, self.in_thinking = bitmask[:batch], in_thinking[:batch]
         self._flat = bitmask.view(-1, masker.width)  # the backends fill [N, W] rows by index

@@ -1,9 +1,12 @@
-"""Hypothesis strategies shared by the acceptance tests."""
+"""Hypothesis strategies and random inputs shared by the acceptance tests (torch and Triton)."""
 
 from __future__ import annotations
 
 import torch
 from hypothesis import strategies as st
+
+from tandem.decoding import SamplingTensors
+from tandem.decoding.bitmask import pack_bitmask
 
 FILTERS = ("none", "temperature", "top_k", "top_p", "min_p")
 
@@ -30,3 +33,27 @@ def random_allowed(generator: torch.Generator, shape: tuple[int, ...], density: 
     first = torch.randint(shape[-1], shape[:-1], generator=generator)
     allowed.scatter_(-1, first.unsqueeze(-1), True)
     return allowed
+
+
+def mixed_rows(count: int, *, seed: int, k: int, vocab_size: int):
+    """A mixed batch of ``count`` rows: greedy / stochastic with top-k, top-p or min-p; masked / unmasked
+    (every third row); thinking / not, per position; drafts sampled from their ``q``.
+
+    Returns ``(logits [B, k+1, V], drafts [B, k], q [B, k, V], bitmask [B, k+1, W], sampling, in_thinking [B, k+1])``.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(count, k + 1, vocab_size, generator=generator) * 2
+    allowed = random_allowed(generator, (count, k + 1, vocab_size), density=0.5)
+    allowed[torch.arange(count) % 3 == 0] = True  # unmasked rows
+    q = torch.randn(count, k, vocab_size, generator=generator).softmax(-1)
+    drafts = torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(count, k)
+    index = torch.arange(count)
+    sampling = SamplingTensors(
+        temperature=torch.where(index % 4 == 0, 0.0, 0.9),
+        top_k=torch.where(index % 5 == 1, 10, 0),
+        top_p=torch.where(index % 5 == 2, 0.8, 1.0),
+        min_p=torch.where(index % 5 == 3, 0.05, 0.0),
+        seed=torch.randint(2**62, (count,), generator=generator),
+    )
+    thinking = torch.rand(count, k + 1, generator=generator) < 0.5
+    return logits, drafts, q, pack_bitmask(allowed), sampling, thinking

@@ -4,32 +4,11 @@ import numpy as np
 import torch
 
 from tandem.decoding import RelaxedAcceptance, SamplingTensors, accept
-from tandem.decoding.bitmask import pack_bitmask
 
 from .reference import assert_rate, reference_probs
-from .strategies import random_allowed
+from .strategies import mixed_rows
 
 VOCAB, K = 50, 4
-
-
-def _rows(count: int, seed: int):
-    """A mixed batch: greedy / stochastic with filters, masked / unmasked, thinking / not."""
-    generator = torch.Generator().manual_seed(seed)
-    logits = torch.randn(count, K + 1, VOCAB, generator=generator) * 2
-    allowed = random_allowed(generator, (count, K + 1, VOCAB), density=0.5)
-    allowed[torch.arange(count) % 3 == 0] = True  # unmasked rows
-    q = torch.randn(count, K, VOCAB, generator=generator).softmax(-1)
-    drafts = torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(count, K)
-    index = torch.arange(count)
-    sampling = SamplingTensors(
-        temperature=torch.where(index % 4 == 0, 0.0, 0.9),
-        top_k=torch.where(index % 5 == 1, 10, 0),
-        top_p=torch.where(index % 5 == 2, 0.8, 1.0),
-        min_p=torch.where(index % 5 == 3, 0.05, 0.0),
-        seed=torch.randint(2**62, (count,), generator=generator),
-    )
-    thinking = torch.rand(count, K + 1, generator=generator) < 0.5
-    return logits, drafts, q, pack_bitmask(allowed), sampling, thinking
 
 
 def _accept(rows, order):
@@ -40,7 +19,7 @@ def _accept(rows, order):
 
 
 def test_a_row_gets_the_same_tokens_whatever_else_is_in_the_batch_and_in_any_order():
-    rows = _rows(64, seed=1)
+    rows = mixed_rows(64, seed=1, k=K, vocab_size=VOCAB)
     alone = torch.stack([_accept(rows, torch.tensor([b])).tokens[0] for b in range(64)])
     full = _accept(rows, torch.arange(64)).tokens
     assert torch.equal(full, alone)

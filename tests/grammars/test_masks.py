@@ -215,8 +215,15 @@ def test_fill_rejects_a_buffer_of_the_wrong_shape(tokenizer):
 def test_fill_rejects_a_device_buffer_instead_of_writing_through_its_pointer(tokenizer, device):
     masker = SpeculativeMasker(tokenizer.vocab_size)
     bitmask = torch.zeros(1, 3, masker.width, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match=f"contiguous CPU tensors, got {device}"):
+    with pytest.raises(ValueError, match=f"bitmask must be a contiguous CPU tensor .*, got {device}"):
         masker.fill([], torch.zeros(0, 2, dtype=torch.int64), bitmask, torch.zeros(1, 3, dtype=torch.bool))
+
+
+def test_fill_rejects_a_strided_bitmask_its_rows_could_not_be_written_through(tokenizer):
+    masker = SpeculativeMasker(tokenizer.vocab_size)
+    strided = torch.zeros(1, masker.width, 3, dtype=torch.int32).transpose(1, 2)  # [1, 3, W], not contiguous
+    with pytest.raises(ValueError, match=r"got cpu \(contiguous: False\)"):
+        masker.fill([], torch.zeros(0, 2, dtype=torch.int64), strided, torch.zeros(1, 3, dtype=torch.bool))
 
 
 def test_placeholder_padded_drafts_end_the_walk_like_a_forbidden_draft(grammar, tokenizer):

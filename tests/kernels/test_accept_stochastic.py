@@ -16,7 +16,7 @@ from tandem.decoding import AcceptanceResult, RelaxedAcceptance, SamplingTensors
 from tandem.decoding.bitmask import pack_bitmask
 from tandem.kernels import accept_triton
 from tests.decoding.reference import assert_distributed_as, assert_rate, reference_probs
-from tests.decoding.strategies import random_allowed
+from tests.decoding.strategies import mixed_rows, random_allowed
 
 from .cases import DEVICE, block_size
 
@@ -93,27 +93,6 @@ def test_placeholder_drafts_give_a_plain_sample_even_with_draft_probs():
     assert_distributed_as(result.tokens[:, 0], reference_probs(logits[0], temperature=1.5), "padded position")
 
 
-def _mixed_rows(count: int):
-    """A mixed batch: greedy / stochastic / min-p / top-k / top-p rows, masks, thinking positions."""
-    generator = torch.Generator().manual_seed(4)
-    k, vocab_size = 3, 40
-    logits = torch.randn(count, k + 1, vocab_size, generator=generator) * 2
-    allowed = random_allowed(generator, (count, k + 1, vocab_size), density=0.5)
-    allowed[torch.arange(count) % 3 == 0] = True
-    q = torch.randn(count, k, vocab_size, generator=generator).softmax(-1)
-    drafts = torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(count, k)
-    index = torch.arange(count)
-    sampling = SamplingTensors(
-        temperature=torch.where(index % 4 == 0, 0.0, 0.9),
-        top_k=torch.where(index % 5 == 1, 10, 0),
-        top_p=torch.where(index % 5 == 2, 0.8, 1.0),
-        min_p=torch.where(index % 5 == 3, 0.05, 0.0),
-        seed=torch.randint(2**62, (count,), generator=generator),
-    )
-    thinking = torch.rand(count, k + 1, generator=generator) < 0.5
-    return logits, drafts, q, pack_bitmask(allowed), sampling, thinking
-
-
 def _accept_rows(rows, order, backend=accept_triton):
     logits, drafts, q, bitmask, sampling, thinking = rows
     picked = SamplingTensors(*(getattr(sampling, f)[order] for f in ("temperature", "top_k", "top_p", "min_p", "seed")))
@@ -126,7 +105,7 @@ def _accept_rows(rows, order, backend=accept_triton):
 
 def test_a_row_gets_the_same_tokens_whatever_else_is_in_the_batch_and_in_any_order():
     count = 24
-    rows = _mixed_rows(count)
+    rows = mixed_rows(count, seed=4, k=3, vocab_size=40)
     alone = torch.cat([_accept_rows(rows, torch.tensor([b])) for b in range(count)])
     assert torch.equal(_accept_rows(rows, torch.arange(count)), alone)
     order = torch.randperm(count, generator=torch.Generator().manual_seed(5))
