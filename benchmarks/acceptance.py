@@ -42,8 +42,7 @@ def _plain_sampling(logits: torch.Tensor, options: dict, k: int):
     """`sample` over every one of the B*(k+1) positions, with the same settings and masks."""
     flat = logits.flatten(0, 1)
     sampling = options.get("sampling")
-    sampling = None if sampling is None else SamplingTensors(
-        *(getattr(sampling, f).repeat_interleave(k + 1) for f in ("temperature", "top_k", "top_p", "min_p", "seed")))
+    sampling = None if sampling is None else sampling.repeat_rows(k + 1)
     bitmask = options.get("bitmask")
     bitmask = None if bitmask is None else bitmask.flatten(0, 1)
     return lambda: sample(flat, sampling, bitmask)
