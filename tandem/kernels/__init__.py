@@ -1,6 +1,20 @@
-"""Triton kernels for the acceptance pipeline; each is tested against the torch path in tandem.decoding."""
+"""Kernels: Triton ones for the acceptance pipeline, each tested against the torch path in
+tandem.decoding, and a C one for small-batch linears on the CPU (:mod:`tandem.kernels.cpu_linear`).
 
-from tandem.kernels.acceptance import accept_triton
-from tandem.kernels.bitmask import apply_bitmask_triton
+The Triton kernels are imported on first use: importing Triton fixes ``TRITON_INTERPRET``, and
+the models import the CPU kernel without needing Triton at all.
+"""
+
+from typing import Any
+
+_TRITON = {"accept_triton": "tandem.kernels.acceptance", "apply_bitmask_triton": "tandem.kernels.bitmask"}
 
 __all__ = ["accept_triton", "apply_bitmask_triton"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _TRITON:
+        raise AttributeError(f"module 'tandem.kernels' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_TRITON[name]), name)

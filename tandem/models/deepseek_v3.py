@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.models.base import ForwardBatch, KVCache, Target, TargetOutput, default_aux_layer_ids
-from tandem.models.layers import GatedMLP, Layer, Linear, MergedLinear, RMSNorm, widened
+from tandem.models.layers import GatedMLP, Layer, Linear, MergedLinear, RMSNorm, linear, widened
 from tandem.models.llama3 import RaggedLayout
 from tandem.models.loading import TakeFn, WeightReader, load_module, load_param
 from tandem.models.moe import DeepseekMoE
@@ -220,7 +220,7 @@ class DeepseekV3(nn.Module):
     def lm_head(self, hidden: Tensor) -> Tensor:
         """``hidden: [N, H]`` (already normed) -> ``[N, V] float32``; the embedding matrix when tied."""
         weight = self.embed_tokens.weight if self.head is None else self.head.weight
-        return F.linear(hidden, widened(weight, hidden)).float()
+        return linear(hidden, weight).float()
 
     @torch.inference_mode()
     def forward(

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.models.base import ForwardBatch, KVCache, TargetOutput, default_aux_layer_ids
-from tandem.models.layers import GatedMLP, Layer, Linear, MergedLinear, RMSNorm, widened
+from tandem.models.layers import GatedMLP, Layer, Linear, MergedLinear, RMSNorm, linear
 from tandem.models.loading import WeightReader, load_module
 from tandem.models.rope import Rope, RotaryTable, rope_parameters
 
@@ -298,7 +298,7 @@ class Llama3(nn.Module):
     def lm_head(self, hidden: Tensor) -> Tensor:
         """``hidden: [N, H]`` (already normed) -> ``[N, V] float32``."""
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head_proj.weight
-        return F.linear(hidden, widened(weight, hidden)).float()
+        return linear(hidden, weight).float()
 
     def forward(
         self, batch: ForwardBatch, cache: KVCache, *, return_hidden: bool = False, return_aux: bool = False

@@ -1,0 +1,54 @@
+"""``x @ weight.T`` for a few float32 rows and bfloat16 weights on the CPU, in C (``cpu_linear.c``).
+
+Decode, verify and draft steps multiply a few rows by every weight of the model once. For them
+the kernel reads each bfloat16 weight once and widens it in registers, where widening to float32
+and calling sgemm wrote and re-read it, and ran sgemm's small-M path at 2-3x its GEMV. Each
+output is one multiply-add chain over the inputs in order, the same whatever the number of rows,
+so a row's result does not depend on its batch (a verify step's rows equal plain decode's).
+
+The extension is built at install when a C compiler is there (``pyproject.toml``); without it,
+or on a CPU without AVX-512, :func:`available` is False and the layers use ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    from tandem.kernels import _cpu_linear
+except ImportError:  # built without a C compiler
+    _cpu_linear = None
+
+MAX_ROWS = 64  # batch 8 verifying k = 4 is 40 rows; up to 64 the kernel still beats widening + sgemm (1.2x)
+_AVAILABLE = _cpu_linear is not None and _cpu_linear.available()
+
+
+def available() -> bool:
+    """True when the extension is built and this CPU runs it (x86-64 with AVX-512 F/BW/VL)."""
+    return _AVAILABLE
+
+
+def applies(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`linear` takes ``x [M, K]`` and ``weight [N, K]``: a CPU float32 ``x`` of at most
+    :data:`MAX_ROWS` contiguous rows, and a bfloat16 weight stored transposed (``weight.T`` contiguous,
+    as :func:`tandem.models.layers.narrow_exact_weights` leaves it)."""
+    return (
+        _AVAILABLE and x.dim() == 2 and len(x) <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+        and weight.dtype == torch.bfloat16 and weight.t().is_contiguous() and x.is_contiguous()
+    )
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x [M, K] float32 @ weight [N, K] bfloat16 .T (+ bias [N] float32)`` -> ``[M, N] float32``.
+
+    Only for inputs that :func:`applies` to; the caller checks.
+    """
+    (rows, size), outputs = x.shape, len(weight)
+    if weight.shape[1] != size or (bias is not None and (bias.shape != (outputs,) or bias.dtype != torch.float32)):
+        raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
+                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)} do not fit")
+    out = x.new_empty(rows, outputs)
+    _cpu_linear.linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                       rows, size, outputs)
+    return out

@@ -1,0 +1,85 @@
+"""The CPU small-batch linear (`tandem.kernels.cpu_linear`): float32 rows times bfloat16 weights.
+
+Its sums are float32 multiply-add chains over the inputs in order, so each output is within the
+chain's rounding bound ``K * 2**-24 * sum_k |x_k w_k|`` (Higham's gamma_K, first order) of the
+exact product, and a row's outputs do not depend on the other rows of its batch."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.kernels import cpu_linear
+from tandem.models.layers import Linear, linear, narrow_exact_weights
+
+needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="the CPU kernel is not built or needs AVX-512")
+
+
+def transposed_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` bfloat16 stored as its transpose, the layout `narrow_exact_weights` leaves."""
+    return weight.bfloat16().t().contiguous().t()
+
+
+def test_the_extension_is_built_where_a_compiler_is():
+    if platform.machine() != "x86_64" or shutil.which("cc") is None:
+        pytest.skip("no x86-64 C compiler here")
+    assert cpu_linear._cpu_linear is not None, "pip install did not build tandem.kernels._cpu_linear"
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, cpu_linear.MAX_ROWS), size=st.integers(1, 200), outputs=st.integers(1, 150),
+       with_bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_outputs_are_within_the_rounding_bound_of_the_exact_product(rows, size, outputs, with_bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, size, generator=g)
+    weight = transposed_bf16(torch.randn(outputs, size, generator=g))
+    bias = torch.randn(outputs, generator=g) if with_bias else None
+    out = cpu_linear.linear(x, weight, bias)
+    exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    bound = (size + 1) * 2.0**-24 * (x.double().abs() @ weight.double().abs().t() + (0 if bias is None else bias.double().abs()))
+    assert out.dtype == torch.float32 and out.shape == (rows, outputs)
+    assert ((out.double() - exact).abs() <= bound + 1e-30).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("outputs", [320, 1152, 77])
+def test_a_rows_outputs_do_not_depend_on_its_batch(outputs):
+    g = torch.Generator().manual_seed(outputs)
+    x = torch.randn(cpu_linear.MAX_ROWS, 192, generator=g)
+    weight = transposed_bf16(torch.randn(outputs, 192, generator=g))
+    alone = torch.cat([cpu_linear.linear(x[i : i + 1], weight) for i in range(len(x))])
+    for rows in (2, 5, 7, 8, 40, cpu_linear.MAX_ROWS):  # blocked 2, 5, 4+3, 4+4, 7 * 5 + 5, ...
+        assert torch.equal(cpu_linear.linear(x[:rows], weight), alone[:rows])
+
+
+@needs_kernel
+def test_layers_take_the_kernel_for_few_rows_and_f_linear_otherwise(monkeypatch):
+    layer = Linear(64, 48)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape).bfloat16().float())
+    narrow_exact_weights(layer)
+    calls = []
+    monkeypatch.setattr(cpu_linear, "linear", lambda *args: calls.append(len(args[0])) or F.linear(args[0], args[1].float(), args[2]))
+    few, many = torch.randn(cpu_linear.MAX_ROWS, 64), torch.randn(cpu_linear.MAX_ROWS + 1, 64)
+    layer(few), layer(many), layer(torch.randn(cpu_linear.MAX_ROWS, 128)[:, ::2])  # strided rows: F.linear
+    assert calls == [cpu_linear.MAX_ROWS]
+    assert not cpu_linear.applies(few, layer.weight.float())  # float32 weights: F.linear
+    assert not cpu_linear.applies(few, layer.weight.t().contiguous().t().contiguous())  # [N, K] storage
+    assert torch.equal(linear(many, layer.weight, layer.bias), F.linear(many, layer.weight.float(), layer.bias))
+
+
+@needs_kernel
+def test_mismatched_shapes_are_refused_with_the_shapes():
+    x, weight = torch.randn(2, 16), transposed_bf16(torch.randn(8, 16))
+    with pytest.raises(ValueError, match=r"x \(2, 17\), weight \(8, 16\)"):
+        cpu_linear.linear(torch.randn(2, 17), weight)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_linear.linear(x, weight, torch.randn(7))
