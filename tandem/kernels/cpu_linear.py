@@ -4,7 +4,7 @@ Decode, verify and draft steps multiply a few rows by every weight of the model 
 the kernel reads each bfloat16 weight once and widens it in registers, where widening to float32
 and calling sgemm wrote and re-read it, and ran sgemm's small-M path at 2-3x its GEMV. Each
 output is one multiply-add chain over the inputs in order, the same whatever the number of rows,
-so a row's result does not depend on its batch (a verify step's rows equal plain decode's).
+so a row's result does not depend on the other rows of its batch.
 
 The extension is built at install when a C compiler is there (``pyproject.toml``); without it,
 or on a CPU without AVX-512, :func:`available` is False and the layers use ``F.linear``.
