@@ -5,6 +5,7 @@ The Triton kernels are imported on first use: importing Triton fixes ``TRITON_IN
 the models import the CPU kernel without needing Triton at all.
 """
 
+import importlib
 from typing import Any
 
 _TRITON = {"accept_triton": "tandem.kernels.acceptance", "apply_bitmask_triton": "tandem.kernels.bitmask"}
@@ -15,6 +16,4 @@ __all__ = ["accept_triton", "apply_bitmask_triton"]
 def __getattr__(name: str) -> Any:
     if name not in _TRITON:
         raise AttributeError(f"module 'tandem.kernels' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(_TRITON[name]), name)

@@ -33,9 +33,10 @@ def applies(x: Tensor, weight: Tensor) -> bool:
     """Whether :func:`linear` takes ``x [M, K]`` and ``weight [N, K]``: a CPU float32 ``x`` of at most
     :data:`MAX_ROWS` contiguous rows, and a bfloat16 weight stored transposed (``weight.T`` contiguous,
     as :func:`tandem.models.layers.narrow_exact_weights` leaves it)."""
-    return (
-        _AVAILABLE and x.dim() == 2 and len(x) <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
-        and weight.dtype == torch.bfloat16 and weight.t().is_contiguous() and x.is_contiguous()
+    return (  # called for every linear of a step: strides read directly, no views made
+        _AVAILABLE and weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.dim() == 2
+        and len(x) <= MAX_ROWS and x.device.type == "cpu" and x.is_contiguous()
+        and weight.stride() == (1, len(weight))
     )
 
 
