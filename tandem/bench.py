@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (1: the demo models are too small to gain from more)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's own); tandem's steps of a few tokens take "
+                             "one either way (EngineConfig.small_step_threads)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, ... (auto: cuda when there is one)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="weights' dtype (default: float32 on the CPU, the checkpoint's elsewhere)")
@@ -51,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     from tandem.llm import resolve_device
 
     report = {"benchmark": "tandem bench", "device": resolve_device(args.device), "threads": torch.get_num_threads(),

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from tandem.decoding.engine import Engine, EngineConfig, PromptTooLongError
+from tandem.decoding.engine import SMALL_STEP_TOKENS, Engine, EngineConfig, PromptTooLongError
 from tandem.decoding.params import SamplingParams
 
 from .conftest import LLAMA_DRAFTS
@@ -127,3 +127,27 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_goes_on(lla
     while engine.has_unfinished():
         engine.step()
     assert engine.pop_finished(forced).token_ids == [11] * 4
+
+
+@pytest.mark.parametrize("small_step_threads", [1, None])
+def test_steps_of_few_tokens_run_on_the_small_step_threads(llama_target, tokenizer, monkeypatch, small_step_threads):
+    seen = []  # (tokens, torch threads) of every target forward
+    forward = llama_target.forward
+
+    def recording_forward(batch, *args, **kwargs):
+        seen.append((batch.num_tokens, torch.get_num_threads()))
+        return forward(batch, *args, **kwargs)
+
+    monkeypatch.setattr(llama_target, "forward", recording_forward)
+    engine = Engine(llama_target, None, tokenizer, EngineConfig(max_model_len=64, small_step_threads=small_step_threads))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine.add_request(list(range(10, 10 + SMALL_STEP_TOKENS + 1)), SamplingParams(max_tokens=3))
+        while engine.has_unfinished():
+            engine.step()
+            assert torch.get_num_threads() == 2  # restored after every step
+    finally:
+        torch.set_num_threads(previous)
+    small = 2 if small_step_threads is None else small_step_threads
+    assert seen == [(SMALL_STEP_TOKENS + 1, 2), (1, small), (1, small)]
