@@ -35,8 +35,8 @@ def applies(x: Tensor, weight: Tensor) -> bool:
     as :func:`tandem.models.layers.narrow_exact_weights` leaves it)."""
     return (  # called for every linear of a step: strides read directly, no views made
         _AVAILABLE and weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.dim() == 2
-        and len(x) <= MAX_ROWS and x.device.type == "cpu" and x.is_contiguous()
-        and weight.stride() == (1, len(weight))
+        and x.shape[0] <= MAX_ROWS and x.device.type == "cpu" and x.is_contiguous()
+        and weight.stride() == (1, weight.shape[0])
     )
 
 
@@ -45,7 +45,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     Only for inputs that :func:`applies` to; the caller checks.
     """
-    (rows, size), outputs = x.shape, len(weight)
+    (rows, size), outputs = x.shape, weight.shape[0]
     if weight.shape[1] != size or (bias is not None and (bias.shape != (outputs,) or bias.dtype != torch.float32)):
         raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
                          f"{None if bias is None else (tuple(bias.shape), bias.dtype)} do not fit")

@@ -120,7 +120,7 @@ class MultiHeadLatentAttention(Layer):
         else:
             q_a, kv_a = self.qkv_a_proj(x).split(self.qkv_a_proj.sizes, dim=-1)
             q = self.q_b_proj(self.q_a_layernorm(q_a))
-        q_nope, q_pe = q.view(len(x), self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        q_nope, q_pe = q.view(x.shape[0], self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = kv_a.split([self.kv_rank, self.rope_dim], dim=-1)
         layout.write(latent_cache, torch.cat(
             [self.kv_a_layernorm(latent), apply_interleaved_rotary(k_pe[:, None], rope).flatten(1)], dim=-1))

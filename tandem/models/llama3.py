@@ -143,7 +143,7 @@ class RaggedLayout:
             cache[self.token_slots, self.positions] = entries.to(cache.dtype)
         else:
             slot, start = self.one_row
-            cache[slot, start : start + len(entries)] = entries
+            cache[slot, start : start + entries.shape[0]] = entries
 
     def attention_mask(self, dtype: torch.dtype, repeats: int = 1) -> Tensor | None:
         """``visible`` as ``scaled_dot_product_attention``'s additive mask (0 or -inf) in ``dtype``,
@@ -166,8 +166,8 @@ class RaggedLayout:
     def to_grid(self, x: Tensor) -> Tensor:
         """``[T, ...]`` -> ``[B, Qmax, ...]`` (padding zero-filled)."""
         if self.grid_index is None:
-            return x.view(len(self.slots), self.max_query, *x.shape[1:])
-        grid = x.new_zeros(len(self.slots), self.max_query, *x.shape[1:])
+            return x.view(self.slots.shape[0], self.max_query, *x.shape[1:])
+        grid = x.new_zeros(self.slots.shape[0], self.max_query, *x.shape[1:])
         grid[self.grid_index] = x
         return grid
 
@@ -178,7 +178,7 @@ class RaggedLayout:
     def cache_rows(self, cache: Tensor) -> Tensor:
         """The rows' cache entries: ``cache [slots, max_len, ...]`` -> ``[B, num_keys, ...]``."""
         if self.first_slot is not None:
-            return cache[self.first_slot : self.first_slot + len(self.slots), self.key_start : self.max_key]
+            return cache[self.first_slot : self.first_slot + self.slots.shape[0], self.key_start : self.max_key]
         return cache[:, self.key_start : self.max_key].index_select(0, self.slots)
 
     def attend(self, q: Tensor, cache: Tensor, scale: float) -> Tensor:
@@ -217,9 +217,10 @@ class Attention(Layer):
         """Write the batch's K/V into ``cache [slots, max_len, 2, nkv, d]`` at the tokens' positions, then
         attend (``rope``: what :class:`Rotary` returned for those positions)."""
         rotated_heads = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(x).view(len(x), -1, self.head_dim)  # [T, nh + 2 nkv, d]
+        num_tokens = x.shape[0]  # not len(x): a Python-level Tensor method, 4x slower in every layer
+        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)  # [T, nh + 2 nkv, d]
         q, k = apply_rotary(qkv[:, :rotated_heads], rope).split([self.num_heads, self.num_kv_heads], dim=1)
-        kv = torch.cat([k, qkv[:, rotated_heads:]], dim=1).view(len(x), 2, self.num_kv_heads, self.head_dim)
+        kv = torch.cat([k, qkv[:, rotated_heads:]], dim=1).view(num_tokens, 2, self.num_kv_heads, self.head_dim)
         layout.write(cache, kv)
         out = layout.attend(q, cache, self.head_dim**-0.5)
         return self.o_proj(out.flatten(1))

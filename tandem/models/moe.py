@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tandem.models.layers import GatedMLP, Layer, widened
+from tandem.models.layers import GatedMLP, Layer, linear
 from tandem.models.loading import TakeFn, load_module, load_param
 from tandem.transfer import int64_tensor
 
@@ -102,11 +102,11 @@ def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor | list[int]) -> Tens
     """
     if isinstance(ends, Tensor) and has_grouped_mm(x, weights):
         return F.grouped_mm(x, weights, offs=ends)
-    out = x.new_empty(len(x), weights.shape[2])
+    out = x.new_empty(x.shape[0], weights.shape[2])
     start = 0
     for group, end in enumerate(ends if isinstance(ends, list) else ends.tolist()):
         if end > start:
-            torch.mm(x[start:end], widened(weights[group], x), out=out[start:end])
+            out[start:end] = linear(x[start:end], weights[group].T)
         start = end
     return out
 
@@ -132,7 +132,7 @@ class RoutedExperts(Layer):
         """``x: [T, H]``, ``weights: [T, k] float32``, ``experts: [T, k] int64`` -> ``[T, H]`` in x's dtype."""
         top_k, num_experts = experts.shape[1], self.gate_up.shape[0]
         if x.device.type == "cpu":
-            if len(x) == 1:
+            if x.shape[0] == 1:
                 return self.one_token(x, weights, experts)
             by_expert: list[list[int]] = [[] for _ in range(num_experts)]  # (token, choice) pairs grouped by expert
             for pair, expert in enumerate(experts.flatten().tolist()):
@@ -153,8 +153,8 @@ class RoutedExperts(Layer):
         """:meth:`forward` for ``x: [1, H]`` on the CPU, where reading the expert ids is free."""
         out = None
         for choice, expert in enumerate(experts[0].tolist()):
-            gate, up = F.linear(x, widened(self.gate_up[expert], x)).chunk(2, dim=-1)
-            routed = F.linear(F.silu(gate) * up, widened(self.down[expert], x)) * weights[:, choice : choice + 1]
+            gate, up = linear(x, self.gate_up[expert]).chunk(2, dim=-1)
+            routed = linear(F.silu(gate) * up, self.down[expert]) * weights[:, choice : choice + 1]
             routed = routed.to(x.dtype)  # weighted in float32 and summed in x's dtype, as `forward` does
             out = routed if out is None else out.add_(routed)
         return out

@@ -120,7 +120,7 @@ class RotaryTable:
         if len(self.table) < end or self.table.device != positions.device:
             self._build(max(end, 2 * len(self.table), 256), positions.device)
         cos, sin = self.table[positions].unbind(1)
-        if len(positions) > MAX_ROTATION_MATRIX_TOKENS:
+        if positions.shape[0] > MAX_ROTATION_MATRIX_TOKENS:
             return cos, sin
         return rotation_matrices(cos, sin, self.cos_pattern, self.sin_pattern)
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from tandem.kernels import cpu_linear
 from tandem.models.layers import Linear, linear, narrow_exact_weights
+from tandem.models.moe import RoutedExperts
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="the CPU kernel is not built or needs AVX-512")
 
@@ -74,6 +75,29 @@ def test_layers_take_the_kernel_for_few_rows_and_f_linear_otherwise(monkeypatch)
     assert not cpu_linear.applies(few, layer.weight.float())  # float32 weights: F.linear
     assert not cpu_linear.applies(few, layer.weight.t().contiguous().t().contiguous())  # [N, K] storage
     assert torch.equal(linear(many, layer.weight, layer.bias), F.linear(many, layer.weight.float(), layer.bias))
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 5], ids=["one token", "grouped"])
+def test_narrowed_experts_take_the_kernel(tokens, monkeypatch):
+    torch.manual_seed(0)
+    experts = RoutedExperts(32, 16, num_experts=4)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.copy_(torch.randn(param.shape).bfloat16().float())
+    wide = RoutedExperts(32, 16, num_experts=4)
+    wide.load_state_dict(experts.state_dict())
+    assert narrow_exact_weights(experts) == 2
+    calls = []
+    kernel = cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda *args: calls.append(len(args[0])) or kernel(*args))
+    x = torch.randn(tokens, 32)
+    weights, chosen = torch.rand(tokens, 2), torch.stack([torch.randperm(4)[:2] for _ in range(tokens)])
+    with torch.inference_mode():
+        out, expected = experts(x, weights, chosen), wide(x, weights, chosen)
+    used = chosen.unique().numel()
+    assert sum(calls) == 2 * 2 * tokens and len(calls) == 2 * used  # gate_up and down per visited expert
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)  # sums in another order than sgemm
 
 
 @needs_kernel
