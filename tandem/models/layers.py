@@ -10,13 +10,13 @@ weight by its parts' keys, which keeps loading one pass over the module.
 Matmul weights may be stored narrower than the model computes: :func:`narrow_exact_weights`
 keeps in bfloat16 every one that bfloat16 holds exactly (all of a bfloat16 checkpoint's in a
 float32 model), and the layers widen them per call (:func:`widened`): the float32 model's very
-weights, its results up to the order in which sums are taken (sgemm's order depends on the
-weight's layout and the number of rows, the CPU kernel's is its own). A decode step reads every weight once, and on the CPU a small model
-waits on the caches to deliver them: half the bytes (the Llama demo's 27.5 MB of float32 weights
-become 13.8 MB, under the ~15 MB of last-level cache one core here gets) took its decode forward
-from 7.2 to 6.2 ms. Narrowed matrices (and each expert's of a stack) are stored transposed, the
-layout of the CPU kernel that :func:`linear` calls for steps of a few rows, which widens them in
-registers instead.
+weights, so its results up to the order in which sums are taken (sgemm's order depends on the
+weight's layout and the number of rows, the CPU kernel's is its own). A decode step reads every
+weight once, and on the CPU a small model waits on the caches to deliver them: half the bytes
+(the Llama demo's 27.5 MB of float32 weights become 13.8 MB, under the ~15 MB of last-level cache
+one core here gets) took its decode forward from 7.2 to 6.2 ms. Narrowed matrices (and each
+expert's of a stack) are stored transposed, the layout of the CPU kernel that :func:`linear` calls
+for steps of a few rows, which widens them in registers instead.
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor | list[int]) -> Tens
 
     One ``F.grouped_mm`` call, which never reads the device, where :func:`has_grouped_mm`; else a
     loop over the groups that got rows, which reads ``ends`` once (free on the CPU, and faster there
-    for the few experts a decode or verify step visits).
+    for the few experts a decode or verify step visits), each group through :func:`linear` (on the
+    CPU, the C kernel for narrowed experts: the DeepSeek demo's verify forward 4.83 -> 4.45 ms).
     """
     if isinstance(ends, Tensor) and has_grouped_mm(x, weights):
         return F.grouped_mm(x, weights, offs=ends)
