@@ -35,7 +35,7 @@ def applies(x: Tensor, weight: Tensor) -> bool:
     as :func:`tandem.models.layers.narrow_exact_weights` leaves it)."""
     return (  # called for every linear of a step: strides read directly, no views made
         _AVAILABLE and weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS and x.device.type == "cpu" and x.is_contiguous()
+        and x.shape[0] <= MAX_ROWS and x.is_cpu and x.is_contiguous()
         and weight.stride() == (1, weight.shape[0])
     )
 
@@ -43,12 +43,16 @@ def applies(x: Tensor, weight: Tensor) -> bool:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x [M, K] float32 @ weight [N, K] bfloat16 .T (+ bias [N] float32)`` -> ``[M, N] float32``.
 
-    Only for inputs that :func:`applies` to; the caller checks.
+    Only for inputs that :func:`applies` to; the caller checks. This checks what would otherwise have
+    the C code read outside the tensors: the shapes, the weight's and bias's device, the bias's layout.
     """
     (rows, size), outputs = x.shape, weight.shape[0]
-    if weight.shape[1] != size or (bias is not None and (bias.shape != (outputs,) or bias.dtype != torch.float32)):
-        raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias "
-                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)} do not fit")
+    bias_fits = bias is None or (bias.shape == (outputs,) and bias.dtype == torch.float32 and bias.is_cpu
+                                 and bias.is_contiguous())
+    if weight.shape[1] != size or not weight.is_cpu or not bias_fits:
+        raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} on {weight.device} and bias "
+                         f"{None if bias is None else (tuple(bias.shape), bias.dtype, str(bias.device), bias.stride())} "
+                         f"do not fit (CPU tensors, a contiguous float32 bias)")
     out = x.new_empty(rows, outputs)
     _cpu_linear.linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
                        rows, size, outputs)

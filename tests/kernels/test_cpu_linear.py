@@ -107,3 +107,12 @@ def test_mismatched_shapes_are_refused_with_the_shapes():
         cpu_linear.linear(torch.randn(2, 17), weight)
     with pytest.raises(ValueError, match="bias"):
         cpu_linear.linear(x, weight, torch.randn(7))
+
+
+@needs_kernel
+def test_tensors_the_kernel_would_read_out_of_bounds_are_refused():
+    x, weight = torch.randn(2, 16), transposed_bf16(torch.randn(8, 16))
+    with pytest.raises(ValueError, match=r"weight \(8, 16\) on meta"):  # not a host pointer: it would crash
+        linear(x, weight.to("meta"))  # `applies` routes it to the kernel: only the device differs
+    with pytest.raises(ValueError, match=r"\(2,\)"):  # every other float of a longer tensor
+        cpu_linear.linear(x, weight, torch.randn(16)[::2])
