@@ -1,7 +1,8 @@
 /* Small-batch linear for float32 activations and bfloat16 weights on x86-64 CPUs with AVX-512.
 
    out[m, n] = sum_k x[m, k] * wt[k, n] (+ bias[n]):  x [M, K] float32, wt [K, N] bfloat16 (the
-   transposed weight, contiguous), bias [N] float32 or NULL, out [M, N] float32; all contiguous.
+   transposed weight; its rows `ldw` >= N apart, so it may be a column block of a wider matrix),
+   bias [N] float32 or NULL, out [M, N] float32; x, bias and out contiguous.
 
    A decode or verify step multiplies a few rows by every weight once. Widening the weights to
    float32 and calling sgemm writes and re-reads them, and sgemm's small-M path runs 2-3x its
@@ -33,13 +34,13 @@ static inline __attribute__((always_inline)) __m512 load_bf16(const uint16_t *p,
 /* rows (<= MAX_BLOCK_ROWS) rows of x times `vectors` * 16 columns of wt, the last vector holding
    the columns in `tail`. Inlined with constants for the full blocks, which then load unmasked. */
 static inline __attribute__((always_inline)) void block(const float *x, int rows, int k_size, const uint16_t *wt,
-                                                        int n_size, int vectors, __mmask16 tail, const float *bias,
-                                                        float *out) {
+                                                        int64_t ldw, int n_size, int vectors, __mmask16 tail,
+                                                        const float *bias, float *out) {
     __m512 acc[MAX_BLOCK_ROWS][VECTORS];
     for (int m = 0; m < MAX_BLOCK_ROWS; m++)
         for (int v = 0; v < VECTORS; v++) acc[m][v] = _mm512_setzero_ps();
     for (int k = 0; k < k_size; k++) {
-        const uint16_t *w_row = wt + (int64_t)k * n_size;
+        const uint16_t *w_row = wt + k * ldw;
         __m512 w[VECTORS];
         for (int v = 0; v < VECTORS; v++)
             w[v] = v < vectors ? load_bf16(w_row + 16 * v, v == vectors - 1 ? tail : 0xFFFF) : _mm512_setzero_ps();
@@ -60,7 +61,7 @@ static inline __attribute__((always_inline)) void block(const float *x, int rows
 }
 
 static void linear(const float *x, const uint16_t *wt, const float *bias, float *out, int m_size, int k_size,
-                   int n_size) {
+                   int n_size, int64_t ldw) {
     int blocks = (m_size + MAX_BLOCK_ROWS - 1) / MAX_BLOCK_ROWS;
     int block_rows = (m_size + blocks - 1) / blocks; /* 8 rows: two blocks of 4, not 6 + 2 */
     for (int m0 = 0; m0 < m_size; m0 += block_rows) {
@@ -70,11 +71,11 @@ static void linear(const float *x, const uint16_t *wt, const float *bias, float 
             float *out_block = out + (int64_t)m0 * n_size + n0;
             int left = n_size - n0;
             if (left >= 16 * VECTORS) {
-                block(x_block, rows, k_size, wt + n0, n_size, VECTORS, 0xFFFF, b, out_block);
+                block(x_block, rows, k_size, wt + n0, ldw, n_size, VECTORS, 0xFFFF, b, out_block);
             } else {
                 int vectors = (left + 15) / 16, last = left - 16 * (vectors - 1); /* last: 1..16 columns */
                 __mmask16 tail = (__mmask16)(last == 16 ? 0xFFFF : (1u << last) - 1);
-                block(x_block, rows, k_size, wt + n0, n_size, vectors, tail, b, out_block);
+                block(x_block, rows, k_size, wt + n0, ldw, n_size, vectors, tail, b, out_block);
             }
         }
     }
@@ -92,24 +93,27 @@ static PyObject *available(PyObject *self, PyObject *unused) {
     Py_RETURN_FALSE;
 }
 
-/* linear(x, wt, bias, out, m, k, n): the tensors' data pointers (bias 0 for none), then the sizes. */
+/* linear(x, wt, bias, out, m, k, n, ldw): the tensors' data pointers (bias 0 for none), the sizes, and
+   the distance between wt's rows. */
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "linear takes 7 arguments (x, wt, bias, out, m, k, n), got %zd", nargs);
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "linear takes 8 arguments (x, wt, bias, out, m, k, n, ldw), got %zd", nargs);
         return NULL;
     }
     void *ptr[4];
-    long size[3];
+    long size[4];
     for (int i = 0; i < 4; i++) ptr[i] = PyLong_AsVoidPtr(args[i]);
-    for (int i = 0; i < 3; i++) size[i] = PyLong_AsLong(args[4 + i]);
+    for (int i = 0; i < 4; i++) size[i] = PyLong_AsLong(args[4 + i]);
     if (PyErr_Occurred()) return NULL;
-    if (size[0] < 0 || size[1] < 0 || size[2] < 0 || size[0] > INT32_MAX || size[1] > INT32_MAX || size[2] > INT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "linear: sizes m=%ld k=%ld n=%ld out of range", size[0], size[1], size[2]);
+    if (size[0] < 0 || size[1] < 0 || size[2] < 0 || size[0] > INT32_MAX || size[1] > INT32_MAX || size[2] > INT32_MAX ||
+        (size[1] > 1 && size[3] < size[2])) {
+        PyErr_Format(PyExc_ValueError, "linear: sizes m=%ld k=%ld n=%ld ldw=%ld out of range", size[0], size[1], size[2],
+                     size[3]);
         return NULL;
     }
 #ifdef HAVE_KERNEL
     Py_BEGIN_ALLOW_THREADS /* the grammar-mask worker runs meanwhile */
-    linear(ptr[0], ptr[1], ptr[2], ptr[3], (int)size[0], (int)size[1], (int)size[2]);
+    linear(ptr[0], ptr[1], ptr[2], ptr[3], (int)size[0], (int)size[1], (int)size[2], size[3]);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 #else
@@ -121,7 +125,7 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
 static PyMethodDef methods[] = {
     {"available", available, METH_NOARGS, "True when this CPU runs the kernel (x86-64 with AVX-512 F/BW/VL)."},
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
-     "linear(x, wt, bias, out, m, k, n): out = x @ wt (+ bias), from data pointers."},
+     "linear(x, wt, bias, out, m, k, n, ldw): out = x @ wt (+ bias), from data pointers."},
     {NULL, NULL, 0, NULL},
 };
 

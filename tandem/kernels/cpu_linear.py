@@ -31,13 +31,16 @@ def available() -> bool:
 
 def applies(x: Tensor, weight: Tensor) -> bool:
     """Whether :func:`linear` takes ``x [M, K]`` and ``weight [N, K]``: a CPU float32 ``x`` of at most
-    :data:`MAX_ROWS` contiguous rows, and a bfloat16 weight stored transposed (``weight.T`` contiguous,
-    as :func:`tandem.models.layers.narrow_exact_weights` leaves it)."""
-    return (  # called for every linear of a step: strides read directly, no views made
+    :data:`MAX_ROWS` contiguous rows, and a bfloat16 weight stored transposed (``weight.T``'s rows
+    contiguous, as :func:`tandem.models.layers.narrow_exact_weights` leaves it, or a block of such a
+    weight's rows)."""
+    if not (  # called for every linear of a step: cheapest checks first, strides read directly
         _AVAILABLE and weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.dim() == 2
         and x.shape[0] <= MAX_ROWS and x.is_cpu and x.is_contiguous()
-        and weight.stride() == (1, weight.shape[0])
-    )
+    ):
+        return False
+    column_stride, row_stride = weight.stride()  # row_stride: between the transpose's rows, unread for one input
+    return column_stride == 1 and (row_stride >= weight.shape[0] or weight.shape[1] == 1)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -55,5 +58,5 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
                          f"do not fit (CPU tensors, a contiguous float32 bias)")
     out = x.new_empty(rows, outputs)
     _cpu_linear.linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                       rows, size, outputs)
+                       rows, size, outputs, weight.stride(1))
     return out

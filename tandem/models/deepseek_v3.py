@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.models.base import ForwardBatch, KVCache, Target, TargetOutput, default_aux_layer_ids
-from tandem.models.layers import GatedMLP, Layer, Linear, MergedLinear, RMSNorm, linear, widened
+from tandem.models.layers import GatedMLP, Layer, Linear, MergedLinear, RMSNorm, linear
 from tandem.models.llama3 import RaggedLayout
 from tandem.models.loading import TakeFn, WeightReader, load_module, load_param
 from tandem.models.moe import DeepseekMoE
@@ -107,6 +107,7 @@ class MultiHeadLatentAttention(Layer):
             self.q_b_proj = Linear(self.q_rank, q_out, bias=False, **factory)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, eps=eps, **factory)
         self.kv_b_proj = Linear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False, **factory)
+        self.kv_b_proj.narrowable = ()  # read by bmm, never by `linear`: stored narrower, it would be widened per call
         self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias, **factory)
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5 * softmax_scale_factor
 
@@ -124,7 +125,7 @@ class MultiHeadLatentAttention(Layer):
         latent, k_pe = kv_a.split([self.kv_rank, self.rope_dim], dim=-1)
         layout.write(latent_cache, torch.cat(
             [self.kv_a_layernorm(latent), apply_interleaved_rotary(k_pe[:, None], rope).flatten(1)], dim=-1))
-        kv_b = widened(self.kv_b_proj.weight, x).view(self.num_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_rank)
         # Head-batched matmuls: einsum's own permutes and reshapes took 6% of the demo's decode step.
         q_latent = torch.bmm(q_nope.transpose(0, 1), kv_b[:, : self.nope_dim]).transpose(0, 1)  # [T, nh, r]
         query = torch.cat([q_latent, apply_interleaved_rotary(q_pe, rope)], dim=-1)  # [T, nh, r + rope]

@@ -14,9 +14,9 @@ weights, so its results up to the order in which sums are taken (sgemm's order d
 weight's layout and the number of rows, the CPU kernel's is its own). A decode step reads every
 weight once, and on the CPU a small model waits on the caches to deliver them: half the bytes
 (the Llama demo's 27.5 MB of float32 weights become 13.8 MB, under the ~15 MB of last-level cache
-one core here gets) took its decode forward from 7.2 to 6.2 ms. Narrowed matrices (and each
-expert's of a stack) are stored transposed, the layout of the CPU kernel that :func:`linear` calls
-for steps of a few rows, which widens them in registers instead.
+one core here gets) took its decode forward from 7.2 to 6.2 ms. Narrowed matrices are stored
+transposed, the layout of the CPU kernel that :func:`linear` calls for steps of a few rows, which
+widens them in registers instead.
 """
 
 from __future__ import annotations
@@ -135,9 +135,9 @@ def narrow_exact_weights(module: nn.Module, dtype: torch.dtype = torch.bfloat16)
     """Store in ``dtype`` every parameter that a submodule lists in its ``narrowable`` attribute and
     that ``dtype`` holds exactly; the others keep theirs. Returns how many were narrowed.
 
-    Exact: the layers widen the weights per call. A narrowed matrix ``[..., out, in]`` is stored
-    transposed (``weight.mT`` contiguous), the layout :mod:`tandem.kernels.cpu_linear` reads;
-    ``F.linear`` and views that split its output axis take it as it is.
+    Exact: the layers widen the weights per call. A narrowed matrix ``[out, in]`` is stored
+    transposed (``weight.T`` contiguous), the layout :mod:`tandem.kernels.cpu_linear` reads (blocks
+    of its rows too); ``F.linear`` and views that split its axes take it as it is.
     """
     narrowed = 0
     for child in module.modules():
@@ -145,7 +145,7 @@ def narrow_exact_weights(module: nn.Module, dtype: torch.dtype = torch.bfloat16)
             param = getattr(child, name)
             narrow = param.to(dtype)
             if param.dtype != dtype and torch.equal(narrow.to(param.dtype), param):
-                narrow = narrow.mT.contiguous().mT
+                narrow = narrow.T.contiguous().T
                 setattr(child, name, nn.Parameter(narrow, requires_grad=False))
                 narrowed += 1
     return narrowed

@@ -97,9 +97,8 @@ def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor | list[int]) -> Tens
     int32`` (one past each group's last row; a list when the host planned the dispatch) -> ``[N, M]``.
 
     One ``F.grouped_mm`` call, which never reads the device, where :func:`has_grouped_mm`; else a
-    loop over the groups that got rows, which reads ``ends`` once (free on the CPU, and faster there
-    for the few experts a decode or verify step visits), each group through :func:`linear` (on the
-    CPU, the C kernel for narrowed experts: the DeepSeek demo's verify forward 4.83 -> 4.45 ms).
+    loop over the groups that got rows, which reads ``ends`` once (free on the CPU), each group
+    through :func:`linear` (on the CPU, the C kernel for narrowed experts).
     """
     if isinstance(ends, Tensor) and has_grouped_mm(x, weights):
         return F.grouped_mm(x, weights, offs=ends)
@@ -112,29 +111,57 @@ def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor | list[int]) -> Tens
     return out
 
 
-class RoutedExperts(Layer):
-    """E SwiGLU experts as stacked weights (``gate_up [E, 2I, H]``, gate rows first; ``down [E, H, I]``),
-    dispatched by sorting (token, expert) pairs by expert: one :func:`grouped_matmul` per projection
-    over the sorted rows, weighted and scattered back with ``index_add_``.
+# On the CPU the experts run densely while the multiply-adds that adds over the dispatch stay under
+# this: about 90 us of one core here, what the dispatch's sort, gathers and per-expert calls cost a
+# few tokens (the DeepSeek demo's MoE, 8 experts of 96: 5 tokens 193 -> 69 us, 1 token 54 -> 40 us;
+# from about 30 tokens on, the dispatch is faster).
+DENSE_MAX_EXTRA_FLOPS = 8e6
 
-    On the CPU, where reading the routing is free, the host sorts the pairs (the device's sort
-    and search cost a verify step 1.6%), and one token (a decode step, a chained draft step) skips
-    the dispatch: its k experts run one after another (:meth:`one_token`), 15 ops for 30.
+
+class RoutedExperts(Layer):
+    """E SwiGLU experts of intermediate size I, stored as one SwiGLU of intermediate size E * I whose
+    units come in E groups: ``gate_up [E * 2I, H]`` holds expert e's gate rows, then its up rows,
+    from row ``2I * e``; ``down [H, E * I]`` holds its columns from column ``I * e``.
+
+    Two ways to run them, equal up to the order of the sums:
+
+    - dense (:meth:`dense`), on the CPU while every expert's work on every token costs little more
+      than the dispatch (:data:`DENSE_MAX_EXTRA_FLOPS`): one linear per projection over all the
+      experts, each expert's activations scaled by the token's routing weight for it (0 where the
+      token did not choose it). Small experts are mostly all visited by a few tokens anyway.
+    - dispatch (:meth:`dispatch`): the (token, expert) pairs sorted by expert, one
+      :func:`grouped_matmul` per projection over the sorted rows, weighted and scattered back with
+      ``index_add_``. On the CPU, where reading the routing is free, the host sorts the pairs.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, **factory):
         super().__init__()
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
-        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(num_experts * 2 * intermediate_size, hidden_size, **factory))
+        self.down = nn.Parameter(torch.empty(hidden_size, num_experts * intermediate_size, **factory))
 
     narrowable = ("gate_up", "down")  # `tandem.models.layers.narrow_exact_weights`
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """``x: [T, H]``, ``weights: [T, k] float32``, ``experts: [T, k] int64`` -> ``[T, H]`` in x's dtype."""
-        top_k, num_experts = experts.shape[1], self.gate_up.shape[0]
-        if x.device.type == "cpu":
-            if x.shape[0] == 1:
-                return self.one_token(x, weights, experts)
+        tokens, top_k = experts.shape
+        extra_flops = tokens * (self.num_experts - top_k) * 6 * self.intermediate_size * x.shape[1]
+        if x.is_cpu and extra_flops <= DENSE_MAX_EXTRA_FLOPS:
+            return self.dense(x, weights, experts)
+        return self.dispatch(x, weights, experts)
+
+    def dense(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """:meth:`forward` running every expert on every token."""
+        tokens, num_experts, inner = x.shape[0], self.num_experts, self.intermediate_size
+        gate, up = linear(x, self.gate_up).view(tokens, num_experts, 2, inner).unbind(2)  # [T, E, I] each
+        routing = weights.new_zeros(tokens, num_experts).scatter_(1, experts, weights)  # [T, E], 0: not chosen
+        scaled = (F.silu(gate) * up).mul_(routing[..., None]).to(x.dtype)
+        return linear(scaled.view(tokens, num_experts * inner), self.down)
+
+    def dispatch(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+        """:meth:`forward` running each expert on the tokens that chose it."""
+        top_k, num_experts, inner = experts.shape[1], self.num_experts, self.intermediate_size
+        if x.is_cpu:
             by_expert: list[list[int]] = [[] for _ in range(num_experts)]  # (token, choice) pairs grouped by expert
             for pair, expert in enumerate(experts.flatten().tolist()):
                 by_expert[expert].append(pair)
@@ -146,26 +173,19 @@ class RoutedExperts(Layer):
             tokens = order // top_k
             expert_ids = torch.arange(num_experts, device=x.device)
             ends = torch.searchsorted(sorted_experts, expert_ids, right=True).to(torch.int32)
-        gate, up = grouped_matmul(x[tokens], self.gate_up.transpose(1, 2), ends).chunk(2, dim=-1)
-        routed = grouped_matmul(F.silu(gate) * up, self.down.transpose(1, 2), ends) * weights.flatten()[order, None]
+        gate_up = self.gate_up.view(num_experts, 2 * inner, -1).transpose(1, 2)  # [E, H, 2I]
+        down = self.down.view(-1, num_experts, inner).permute(1, 2, 0)  # [E, I, H]
+        gate, up = grouped_matmul(x[tokens], gate_up, ends).chunk(2, dim=-1)
+        routed = grouped_matmul(F.silu(gate) * up, down, ends) * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, routed.to(x.dtype))
-
-    def one_token(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        """:meth:`forward` for ``x: [1, H]`` on the CPU, where reading the expert ids is free."""
-        out = None
-        for choice, expert in enumerate(experts[0].tolist()):
-            gate, up = linear(x, self.gate_up[expert]).chunk(2, dim=-1)
-            routed = linear(F.silu(gate) * up, self.down[expert]) * weights[:, choice : choice + 1]
-            routed = routed.to(x.dtype)  # weighted in float32 and summed in x's dtype, as `forward` does
-            out = routed if out is None else out.add_(routed)
-        return out
 
     def load(self, take: TakeFn, prefix: str) -> None:
         """Read ``{prefix}{e}.{gate,up,down}_proj.weight`` for every expert e (the published layout)."""
-        inner = self.down.shape[2]
-        for expert in range(self.down.shape[0]):
-            gate, up, down = self.gate_up[expert, :inner], self.gate_up[expert, inner:], self.down[expert]
-            for name, param in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+        inner = self.intermediate_size
+        for expert in range(self.num_experts):
+            gate_up = self.gate_up[2 * inner * expert : 2 * inner * (expert + 1)]
+            down = self.down[:, inner * expert : inner * (expert + 1)]
+            for name, param in (("gate_proj", gate_up[:inner]), ("up_proj", gate_up[inner:]), ("down_proj", down)):
                 load_param(param, take, f"{prefix}{expert}.{name}.weight")
 
 

@@ -36,11 +36,14 @@ def test_the_extension_is_built_where_a_compiler_is():
 @needs_kernel
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, cpu_linear.MAX_ROWS), size=st.integers(1, 200), outputs=st.integers(1, 150),
-       with_bias=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_outputs_are_within_the_rounding_bound_of_the_exact_product(rows, size, outputs, with_bias, seed):
+       with_bias=st.booleans(), seed=st.integers(0, 2**31 - 1), rows_around=st.tuples(st.integers(0, 40), st.integers(0, 40)))
+def test_outputs_are_within_the_rounding_bound_of_the_exact_product(rows, size, outputs, with_bias, seed, rows_around):
+    """Also for a weight that is a block of a wider one's rows (its transpose's rows further apart)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, size, generator=g)
-    weight = transposed_bf16(torch.randn(outputs, size, generator=g))
+    before, after = rows_around
+    weight = transposed_bf16(torch.randn(before + outputs + after, size, generator=g))[before : before + outputs]
+    assert cpu_linear.applies(x, weight)
     bias = torch.randn(outputs, generator=g) if with_bias else None
     out = cpu_linear.linear(x, weight, bias)
     exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
@@ -78,8 +81,10 @@ def test_layers_take_the_kernel_for_few_rows_and_f_linear_otherwise(monkeypatch)
 
 
 @needs_kernel
-@pytest.mark.parametrize("tokens", [1, 5], ids=["one token", "grouped"])
-def test_narrowed_experts_take_the_kernel(tokens, monkeypatch):
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("path", ["dense", "dispatch"])
+def test_narrowed_experts_take_the_kernel(path, tokens, monkeypatch):
+    """Both ways to run the experts; the dispatch's per-expert gate_up is a block of the stack's rows."""
     torch.manual_seed(0)
     experts = RoutedExperts(32, 16, num_experts=4)
     with torch.no_grad():
@@ -94,9 +99,11 @@ def test_narrowed_experts_take_the_kernel(tokens, monkeypatch):
     x = torch.randn(tokens, 32)
     weights, chosen = torch.rand(tokens, 2), torch.stack([torch.randperm(4)[:2] for _ in range(tokens)])
     with torch.inference_mode():
-        out, expected = experts(x, weights, chosen), wide(x, weights, chosen)
-    used = chosen.unique().numel()
-    assert sum(calls) == 2 * 2 * tokens and len(calls) == 2 * used  # gate_up and down per visited expert
+        out, expected = getattr(experts, path)(x, weights, chosen), getattr(wide, path)(x, weights, chosen)
+    if path == "dense":
+        assert calls == [tokens, tokens]  # gate_up and down over every expert
+    else:
+        assert sum(calls) == 2 * 2 * tokens and len(calls) == 2 * chosen.unique().numel()  # per visited expert
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)  # sums in another order than sgemm
 
 

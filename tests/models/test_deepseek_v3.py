@@ -154,18 +154,34 @@ def test_the_rotary_table_grows_to_the_furthest_position_with_the_same_angles():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_token_runs_its_experts_as_the_dispatch_does(dtype):
-    """A decode step's token skips the sort-and-scatter dispatch (RoutedExperts.one_token); the same
-    token inside a longer batch goes through it."""
+def test_dense_experts_equal_the_dispatch_for_every_batch(dtype):
+    """Running every expert on every token, weighted by the routing (0 where not chosen), computes what
+    running each expert on its tokens does, for each token alone and in any batch."""
     experts = moe.RoutedExperts(16, 8, 6, dtype=dtype).requires_grad_(False)
     g = torch.Generator().manual_seed(0)
     experts.gate_up.copy_(torch.randn(experts.gate_up.shape, generator=g))
     experts.down.copy_(torch.randn(experts.down.shape, generator=g))
     x = torch.randn(3, 16, generator=g).to(dtype)
     weights, picked = torch.rand(3, 2, generator=g), torch.tensor([[4, 1], [0, 5], [3, 2]])
-    together = experts(x, weights, picked)
+    together = experts.dispatch(x, weights, picked)
+    scale = together.abs().max().item()  # bfloat16 rounds the scaled units, the dispatch the unscaled ones
+    tolerance = {} if dtype == torch.float32 else {"rtol": 0, "atol": 0.01 * scale}
+    torch.testing.assert_close(experts.dense(x, weights, picked), together, **tolerance)
     for i in range(3):
-        torch.testing.assert_close(experts(x[i : i + 1], weights[i : i + 1], picked[i : i + 1]), together[i : i + 1])
+        torch.testing.assert_close(experts.dense(x[i : i + 1], weights[i : i + 1], picked[i : i + 1]),
+                                   together[i : i + 1], **tolerance)
+
+
+def test_experts_run_densely_on_the_cpu_for_a_few_tokens_only(monkeypatch):
+    experts = moe.RoutedExperts(16, 8, 6).requires_grad_(False)  # 4 unchosen experts: 3072 extra FLOPs a token
+    ran = []
+    for path in ("dense", "dispatch"):
+        monkeypatch.setattr(experts, path, lambda *args, path=path: ran.append((path, len(args[0]))))
+    monkeypatch.setattr(moe, "DENSE_MAX_EXTRA_FLOPS", 3072 * 5)
+    for tokens in (1, 5, 6):
+        experts(torch.randn(tokens, 16), torch.rand(tokens, 2), torch.zeros(tokens, 2, dtype=torch.int64))
+    experts(torch.randn(1, 16, device="meta"), torch.rand(1, 2, device="meta"), torch.zeros(1, 2, dtype=torch.int64, device="meta"))
+    assert ran == [("dense", 1), ("dense", 5), ("dispatch", 6), ("dispatch", 1)]
 
 
 def test_cache_holds_only_the_compressed_latent_and_is_never_expanded(tmp_path):

@@ -15,6 +15,7 @@ from tandem.kernels import cpu_linear
 from tandem.llm import LLM
 from tandem.models import ForwardBatch, load_draft, load_target
 from tandem.models.base import DraftInput
+from tandem.models.deepseek_v3 import MultiHeadLatentAttention
 from tandem.models.layers import Linear, MergedLinear, RMSNorm, narrow_exact_weights
 from tandem.models.moe import RoutedExperts
 
@@ -40,6 +41,8 @@ def test_narrowed_target_and_draft_compute_the_wide_results(model, draft_kind, k
     assert set(narrowable_dtypes(target).values()) == set(narrowable_dtypes(draft).values()) == {torch.bfloat16}
     norms = [m.weight.dtype for model in (target, draft) for m in model.modules() if isinstance(m, RMSNorm)]
     assert set(norms) == {torch.float32}  # only matmul weights are narrowed
+    latent_ups = [m.kv_b_proj.weight.dtype for m in target.modules() if isinstance(m, MultiHeadLatentAttention)]
+    assert set(latent_ups) <= {torch.float32}  # MLA's kv_b is read by bmm, which would widen it per call
 
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(8, target.vocab_size, (n,), generator=g).tolist() for n in (9, 5)]
