@@ -111,10 +111,10 @@ def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor | list[int]) -> Tens
     return out
 
 
-# On the CPU the experts run densely while the multiply-adds that adds over the dispatch stay under
-# this: about 90 us of one core here, what the dispatch's sort, gathers and per-expert calls cost a
-# few tokens (the DeepSeek demo's MoE, 8 experts of 96: 5 tokens 193 -> 69 us, 1 token 54 -> 40 us;
-# from about 30 tokens on, the dispatch is faster).
+# On the CPU the experts run densely while the work that adds to the dispatch's, T * (E - k) * 6 * I * H
+# FLOPs, stays under this: about 90 us of one core here, what the dispatch's sort, gathers and
+# per-expert calls cost a few tokens (the DeepSeek demo's MoE, 8 experts of 96: 5 tokens 193 -> 69
+# us, 1 token 54 -> 40 us; from about 30 tokens on, the dispatch is faster).
 DENSE_MAX_EXTRA_FLOPS = 8e6
 
 
