@@ -54,7 +54,7 @@ def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor,
         if inp.adjust is not None:
             logits = inp.adjust(logits, tokens[:, :i])
         if constraint is not None:
-            logits = logits.masked_fill(~constraint.allowed(), float("-inf"))
+            logits = torch.where(constraint.allowed(), logits, float("-inf"))
         tokens[:, i] = logits.argmax(dim=-1)
         if constraint is not None:
             constraint.advance(tokens[:, i])
