@@ -10,14 +10,15 @@ pays to sample that many tokens, with the same settings and masks); `vs_plain` i
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 
 import torch
 from torch.utils.benchmark import Timer
 
+from tandem.core.bitmask import pack_bitmask
 from tandem.decoding import SamplingTensors, accept, sample
-from tandem.decoding.bitmask import pack_bitmask
 
 
 def _case(kind: str, batch: int, k: int, vocab: int) -> tuple[tuple, dict]:
@@ -65,16 +66,35 @@ def main() -> None:
         for batch in args.batch:
             for kind in ("greedy", "stochastic", "masked"):
                 inputs, options = _case(kind, batch, args.k, vocab)
-                seconds = _median_seconds(lambda: accept(*inputs, **options), args.min_run_time)
+                seconds = _median_seconds(functools.partial(accept, *inputs, **options), args.min_run_time)
                 plain = _plain_sampling(inputs[0], options, args.k)
                 plain_seconds = _median_seconds(plain, args.min_run_time)
-                row = {"kind": kind, "batch": batch, "k": args.k, "vocab": vocab, "median_ms": round(seconds * 1e3, 3),
-                       "plain_sample_ms": round(plain_seconds * 1e3, 3), "vs_plain": round(seconds / plain_seconds, 3)}
+                row = {
+                    "kind": kind,
+                    "batch": batch,
+                    "k": args.k,
+                    "vocab": vocab,
+                    "median_ms": round(seconds * 1e3, 3),
+                    "plain_sample_ms": round(plain_seconds * 1e3, 3),
+                    "vs_plain": round(seconds / plain_seconds, 3),
+                }
                 results.append(row)
-                print(f"{kind:10s} B={batch:3d} V={vocab:6d}  accept {row['median_ms']:9.3f} ms   "
-                      f"sample x(k+1) {row['plain_sample_ms']:9.3f} ms   ratio {row['vs_plain']:.2f}", flush=True)
-    print(json.dumps({"benchmark": "accept", "device": "cpu", "threads": torch.get_num_threads(),
-                      "machine": platform.processor() or platform.machine(), "results": results}))
+                print(
+                    f"{kind:10s} B={batch:3d} V={vocab:6d}  accept {row['median_ms']:9.3f} ms   "
+                    f"sample x(k+1) {row['plain_sample_ms']:9.3f} ms   ratio {row['vs_plain']:.2f}",
+                    flush=True,
+                )
+    print(
+        json.dumps(
+            {
+                "benchmark": "accept",
+                "device": "cpu",
+                "threads": torch.get_num_threads(),
+                "machine": platform.processor() or platform.machine(),
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

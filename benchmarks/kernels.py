@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import torch
 
+from tandem.core.bitmask import pack_bitmask
 from tandem.decoding import SamplingTensors, accept
-from tandem.decoding.bitmask import pack_bitmask
 
 MODES = ("greedy", "stochastic", "masked")
 BACKENDS = ("triton", "torch", "xgrammar+torch")
@@ -52,8 +52,12 @@ def make_case(mode: str, batch: int, k: int, vocab_size: int, device: str, seed:
         allowed[:, :k].scatter_(-1, drafts.unsqueeze(-1), True)
         bitmask = pack_bitmask(allowed).to(device)
     sampling = None if mode == "greedy" else SamplingTensors.full(batch, seed=torch.arange(batch), device=device)
-    return {"target_logits": logits.to(device), "draft_tokens": drafts.to(device), "sampling": sampling,
-            "bitmask": bitmask}
+    return {
+        "target_logits": logits.to(device),
+        "draft_tokens": drafts.to(device),
+        "sampling": sampling,
+        "bitmask": bitmask,
+    }
 
 
 def backend_call(backend: str, case: dict) -> Callable[[], object]:
@@ -61,9 +65,7 @@ def backend_call(backend: str, case: dict) -> Callable[[], object]:
     if backend == "torch":
         return lambda: accept(**case, backend="torch")
     if backend == "triton":
-        from tandem.kernels import accept_triton  # after TRITON_INTERPRET is settled
-
-        return lambda: accept_triton(**case)
+        return lambda: accept(**case, backend="triton")
     from xgrammar import apply_token_bitmask_inplace
 
     logits, bitmask = case["target_logits"], case["bitmask"]
@@ -105,9 +107,8 @@ def graph_time(fn: Callable[[], object]) -> float | None:
 
 def agreement(mode: str, case: dict) -> float:
     """Fraction of rows where the Triton kernel matches the torch path (tokens if greedy, else accepted counts)."""
-    from tandem.kernels import accept_triton  # after TRITON_INTERPRET is settled
 
-    torch_result, triton_result = accept(**case, backend="torch"), accept_triton(**case)
+    torch_result, triton_result = accept(**case, backend="torch"), accept(**case, backend="triton")
     if mode == "greedy":
         return (torch_result.tokens == triton_result.tokens).all(dim=-1).float().mean().item()
     return (torch_result.num_accepted == triton_result.num_accepted).float().mean().item()
@@ -122,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=None, help="timed calls per case (default: 50 on CUDA, 3 on CPU)")
     parser.add_argument("--interpret", action="store_true", help="also run Triton on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
-    parser.add_argument("--block", type=int, default=None, help="vocabulary tokens per Triton program (default: the kernel's)")
+    parser.add_argument(
+        "--block", type=int, default=None, help="vocabulary tokens per Triton program (default: the kernel's)"
+    )
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -143,8 +146,12 @@ def main(argv: list[str] | None = None) -> int:
                 if backend == "xgrammar+torch" and case["bitmask"] is None:
                     continue  # without a grammar it is the torch path
                 calls = 1 if backend == "triton" and not cuda else iters
-                row = {"mode": mode, "batch": batch, "backend": backend,
-                       "us_per_call": round(time_call(backend_call(backend, case), calls), 1)}
+                row = {
+                    "mode": mode,
+                    "batch": batch,
+                    "backend": backend,
+                    "us_per_call": round(time_call(backend_call(backend, case), calls), 1),
+                }
                 if backend == "triton":
                     row["agrees_with_torch"] = agreement(mode, case)
                 if cuda:

@@ -21,12 +21,12 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from tandem.cli.eval_schemas import instance_text
+from tandem.engine.mask_pipeline import MaskPipeline
 from tandem.grammars.backends import BACKENDS
 from tandem.grammars.compiler import compile_grammar
 from tandem.grammars.errors import GrammarError
-from tandem.grammars.evaluate import instance_text
 from tandem.grammars.masks import SpeculativeMasker
-from tandem.grammars.overlap import MaskPipeline
 from tandem.grammars.spec import GrammarSpec
 from tandem.grammars.tokenizer import GrammarTokenizer
 
@@ -38,7 +38,12 @@ def load_cases(tokenizer, maskbench: Path, limit: int):
         case = json.loads(path.read_text())
         valid = [t for t in case["tests"] if t["valid"]]
         if valid:
-            cases.append((GrammarSpec.json_schema(case["schema"], strict=False), tokenizer.encode(instance_text(valid[0]["data"])) + [tokenizer.eos_token_id]))
+            cases.append(
+                (
+                    GrammarSpec.json_schema(case["schema"], strict=False),
+                    tokenizer.encode(instance_text(valid[0]["data"])) + [tokenizer.eos_token_id],
+                )
+            )
         if len(cases) == limit:
             break
     return cases
@@ -115,13 +120,19 @@ def time_overlap(tokenizer, backend, cases, batch_size, k, forward_s, device):
         results["overlapped" if overlapped else "serial"] = statistics.median(step_times)
     masks = results["serial"] - forward_s
     hidden = (results["serial"] - results["overlapped"]) / masks if masks > 0 else float("nan")
-    return {**{f"step_ms_{k_}": round(v * 1e3, 3) for k_, v in results.items()}, "mask_ms": round(masks * 1e3, 3), "hidden_fraction": round(hidden, 3)}
+    return {
+        **{f"step_ms_{k_}": round(v * 1e3, 3) for k_, v in results.items()},
+        "mask_ms": round(masks * 1e3, 3),
+        "hidden_fraction": round(hidden, 3),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", type=Path, required=True)
-    parser.add_argument("--maskbench", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data" / "maskbench")
+    parser.add_argument(
+        "--maskbench", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data" / "maskbench"
+    )
     parser.add_argument("--files", type=int, default=40)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--k", type=int, default=4)

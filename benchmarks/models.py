@@ -75,8 +75,11 @@ def bench_target(path: Path, batch: int, k: int, context: int, min_run_time: flo
 
     decode_ms = _median_ms(step(1), min_run_time)
     verify_ms = _median_ms(step(k + 1), min_run_time)
-    return {"decode_ms": round(decode_ms, 3), "verify_ms": round(verify_ms, 3),
-            "verify_over_decode": round(verify_ms / decode_ms, 3)}
+    return {
+        "decode_ms": round(decode_ms, 3),
+        "verify_ms": round(verify_ms, 3),
+        "verify_over_decode": round(verify_ms / decode_ms, 3),
+    }
 
 
 def main() -> None:
@@ -87,14 +90,22 @@ def main() -> None:
     parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds timed per step kind")
     args = parser.parse_args()
     torch.manual_seed(0)
-    report = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-              "k": args.k, "context": args.context, "dtype": "float32", "targets": {}}
+    report = {
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "k": args.k,
+        "context": args.context,
+        "dtype": "float32",
+        "targets": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for name, save in (("llama3", _save_llama), ("deepseek_v3", _save_deepseek)):
             path = Path(tmp) / name
             try:
                 save(path)
-                results = {f"batch_{b}": bench_target(path, b, args.k, args.context, args.min_run_time) for b in args.batch}
+                results = {
+                    f"batch_{b}": bench_target(path, b, args.k, args.context, args.min_run_time) for b in args.batch
+                }
             except (ImportError, AttributeError) as error:  # a provider module not written yet
                 results = {"skipped": f"{type(error).__name__}: {error}"}
             report["targets"][name] = results

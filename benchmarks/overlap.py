@@ -22,7 +22,7 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-from tandem.bench import measure
+from tandem.cli.bench import measure
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
 from tandem.llm import LLM, chat_prompt_ids
 
@@ -64,8 +64,12 @@ def trace_summary(trace: dict) -> dict:
         return {"kernels": 0}  # no device activity (a CPU run)
     start, end = span[0][0], max(b for _, b in span)
     busy = _covered(start, end, _intervals(kernels))
-    return {"kernels": len(kernels), "window_us": round(end - start, 1), "device_busy_fraction": round(busy / (end - start), 3),
-            "htod_copies_by_stream": {str(s): row for s, row in streams.items()}}
+    return {
+        "kernels": len(kernels),
+        "window_us": round(end - start, 1),
+        "device_busy_fraction": round(busy / (end - start), 3),
+        "htod_copies_by_stream": {str(s): row for s, row in streams.items()},
+    }
 
 
 def main() -> None:
@@ -100,11 +104,16 @@ def main() -> None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 prof.export_chrome_trace(str(path))
                 summary = trace_summary(json.loads(path.read_text()))
-            report["runs"].append({
-                "draft": draft, "batch": batch,
-                "tokens_per_s_schema": round(max(rate["schema"]), 1), "tokens_per_s_free": round(max(rate["free"]), 1),
-                "schema_vs_free": round(statistics.median(s / f for s, f in zip(rate["schema"], rate["free"])), 3),
-                **summary})
+            report["runs"].append(
+                {
+                    "draft": draft,
+                    "batch": batch,
+                    "tokens_per_s_schema": round(max(rate["schema"]), 1),
+                    "tokens_per_s_free": round(max(rate["free"]), 1),
+                    "schema_vs_free": round(statistics.median(s / f for s, f in zip(rate["schema"], rate["free"])), 3),
+                    **summary,
+                }
+            )
             print(json.dumps(report["runs"][-1]), flush=True)
     print(json.dumps(report))
 

@@ -49,9 +49,14 @@ async def _one(client: AsyncOpenAI, example, results: list[dict]) -> None:
     start, first, content, tokens, error = time.perf_counter(), None, "", 0, None
     try:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=example.messages, temperature=0, max_tokens=MAX_TOKENS, stream=True,
+            model=MODEL,
+            messages=example.messages,
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            stream=True,
             stream_options={"include_usage": True},
-            response_format={"type": "json_schema", "json_schema": {"name": example.family, "schema": schema}})
+            response_format={"type": "json_schema", "json_schema": {"name": example.family, "schema": schema}},
+        )
         finish = None
         async for chunk in stream:
             if chunk.usage is not None:
@@ -96,12 +101,20 @@ async def _load(base_url: str, clients: int, requests: int, deadline_s: float) -
     errors = [r["error"] for r in results if r["error"]]
     quantile = lambda values, q: round(values[min(len(values) - 1, int(q * len(values)))], 3) if values else None  # noqa: E731
     return {
-        "model": MODEL, "clients": clients, "requests": len(results), "planned": requests, "stopped": stopped,
-        "errors": len(errors), "error_samples": errors[:3],
-        "latency_p50_s": quantile(latencies, 0.5), "latency_p99_s": quantile(latencies, 0.99),
-        "ttft_p50_s": quantile(ttfts, 0.5), "ttft_p99_s": quantile(ttfts, 0.99),
+        "model": MODEL,
+        "clients": clients,
+        "requests": len(results),
+        "planned": requests,
+        "stopped": stopped,
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "latency_p50_s": quantile(latencies, 0.5),
+        "latency_p99_s": quantile(latencies, 0.99),
+        "ttft_p50_s": quantile(ttfts, 0.5),
+        "ttft_p99_s": quantile(ttfts, 0.99),
         "mean_latency_s": round(statistics.fmean(latencies), 3) if latencies else None,
-        "completion_tokens": sum(r["tokens"] for r in results), "wall_s": round(wall, 2),
+        "completion_tokens": sum(r["tokens"] for r in results),
+        "wall_s": round(wall, 2),
         "tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1),
     }
 

@@ -32,9 +32,15 @@ ANSWER_SCHEMA = {
 
 # Local implementations of the tools; they return canned data so the example needs no network.
 TOOL_FUNCTIONS: dict[str, Callable[..., dict[str, Any]]] = {
-    "get_weather": lambda city, unit, days: {"city": city, "unit": unit,
-                                             "forecast": [{"day": d + 1, "high": 21 + d, "sky": "sunny"} for d in range(days)]},
-    "convert_currency": lambda amount, from_currency, to_currency: {"amount": round(amount * 1.1, 2), "currency": to_currency},
+    "get_weather": lambda city, unit, days: {
+        "city": city,
+        "unit": unit,
+        "forecast": [{"day": d + 1, "high": 21 + d, "sky": "sunny"} for d in range(days)],
+    },
+    "convert_currency": lambda amount, from_currency, to_currency: {
+        "amount": round(amount * 1.1, 2),
+        "currency": to_currency,
+    },
     "create_event": lambda title, date, time, attendees: {"created": True, "title": title, "when": f"{date} {time}"},
     "web_search": lambda query, max_results: {"results": [f"{query} result {i + 1}" for i in range(max_results)]},
 }
@@ -46,7 +52,11 @@ def run_agent(client: OpenAI, request: str, model: str = "demo-llama") -> list[d
     for turn in range(MAX_TURNS):
         last = turn == MAX_TURNS - 1
         response = client.chat.completions.create(
-            model=model, messages=messages, tools=TOOLS, temperature=0, max_tokens=200,
+            model=model,
+            messages=messages,
+            tools=TOOLS,
+            temperature=0,
+            max_tokens=200,
             tool_choice="none" if last else "auto",
             response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}},
         )
@@ -56,8 +66,13 @@ def run_agent(client: OpenAI, request: str, model: str = "demo-llama") -> list[d
             print(f"[turn {turn + 1}] answer: {message.content}")
             messages.append({"role": "assistant", "content": message.content})
             return messages
-        messages.append({"role": "assistant", "content": None,
-                         "tool_calls": [call.model_dump(include={"id", "type", "function"}) for call in message.tool_calls]})
+        messages.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [call.model_dump(include={"id", "type", "function"}) for call in message.tool_calls],
+            }
+        )
         for call in message.tool_calls:
             result = TOOL_FUNCTIONS[call.function.name](**json.loads(call.function.arguments))
             print(f"[turn {turn + 1}] {call.function.name}({call.function.arguments}) -> {json.dumps(result)}")

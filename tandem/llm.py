@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from tandem.assets import ASSETS_DIR, DEFAULT_MODEL
-from tandem.decoding.engine import Engine, EngineConfig
-from tandem.decoding.output import RequestOutput, StreamDelta
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
+from tandem.engine import Engine, EngineConfig
+from tandem.engine.output import RequestOutput, StreamDelta
 
 Prompt = str | Sequence[int]
 
@@ -26,7 +27,7 @@ class LLM:
         A float32 model on the CPU keeps the matmul weights that bfloat16 holds exactly (all of a
         bfloat16 checkpoint's) in bfloat16 and widens them per call: the same results from half
         the bytes, which decides a small model's speed there
-        (:func:`tandem.models.layers.narrow_exact_weights`).
+        (:func:`tandem.models.linear.narrow_exact_weights`).
     """
 
     def __init__(
@@ -44,7 +45,7 @@ class LLM:
     ) -> None:
         from transformers import AutoTokenizer
 
-        from tandem.models.layers import narrow_exact_weights
+        from tandem.models.linear import narrow_exact_weights
         from tandem.models.loading import load_draft, load_target
 
         self.model_path = resolve_model(model)
@@ -60,13 +61,18 @@ class LLM:
             for model in (self.target, self.draft):
                 if isinstance(model, torch.nn.Module):
                     narrow_exact_weights(model)
-        context = max_model_len or min(self.target.config.get("max_position_embeddings", 4096), 4096)
+        context = max_model_len or min(self.target.config.max_position_embeddings or 4096, 4096)
         self.engine = Engine(
             self.target,
             self.draft,
             self.tokenizer,
-            EngineConfig(num_speculative_tokens=num_speculative_tokens, max_num_seqs=max_num_seqs,
-                         max_model_len=context, relaxed=relaxed, grammar_backend=grammar_backend),
+            EngineConfig(
+                num_speculative_tokens=num_speculative_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=context,
+                relaxed=relaxed,
+                grammar_backend=grammar_backend,
+            ),
         )
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -106,7 +112,7 @@ class LLM:
         model class or a JSON schema dict) constrains the answer."""
         params = params or SamplingParams()
         if response_format is not None:
-            params = SamplingParams(**{**params.__dict__, "json_schema": response_format})
+            params = dataclasses.replace(params, json_schema=response_format)
         return self.generate([self.chat_prompt(messages, tools)], params)[0]
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -152,7 +158,11 @@ def available_drafts(model_path: Path) -> list[str]:
     its own MTP layer (if the checkpoint has one), and the model-free n-gram draft."""
     from tandem.models.loading import WeightReader, read_config
 
-    kinds = [kind for kind in ("eagle3", "eagle") if (model_path.parent / f"{model_path.name}-{kind}" / "config.json").is_file()]
+    kinds = [
+        kind
+        for kind in ("eagle3", "eagle")
+        if (model_path.parent / f"{model_path.name}-{kind}" / "config.json").is_file()
+    ]
     layers = read_config(model_path).get("num_hidden_layers")
     if f"model.layers.{layers}.eh_proj.weight" in WeightReader(model_path):
         kinds.append("mtp")
@@ -165,7 +175,7 @@ def best_draft(model_path: Path) -> str:
 
 
 def resolve_draft(draft: str, model_path: Path) -> str | Path:
-    """"ngram" and "mtp" pass through; "eagle"/"eagle3" mean the draft shipped beside the model."""
+    """ "ngram" and "mtp" pass through; "eagle"/"eagle3" mean the draft shipped beside the model."""
     if draft in ("ngram", "mtp"):
         return draft
     if draft in ("eagle", "eagle3"):
@@ -175,5 +185,7 @@ def resolve_draft(draft: str, model_path: Path) -> str | Path:
         return sibling
     path = Path(draft)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"draft {draft!r}: not a kind (eagle, eagle3, mtp, ngram) nor a directory with config.json")
+        raise FileNotFoundError(
+            f"draft {draft!r}: not a kind (eagle, eagle3, mtp, ngram) nor a directory with config.json"
+        )
     return path

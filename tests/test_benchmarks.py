@@ -31,16 +31,21 @@ def _event(cat, ts, dur, stream, name="k"):
 
 
 def test_trace_summary_counts_copy_time_hidden_behind_other_streams_kernels():
-    trace = {"traceEvents": [
-        _event("kernel", 0, 10, 7), _event("kernel", 20, 10, 7),         # the target on stream 7
-        _event("gpu_memcpy", 5, 10, 13, "Memcpy HtoD (Pinned -> Device)"),  # 5 of 10 us under kernels
-        _event("gpu_memcpy", 40, 4, 7, "Memcpy HtoD (Pinned -> Device)"),   # same stream: never hidden
-        _event("gpu_memcpy", 30, 2, 13, "Memcpy DtoH (Device -> Pinned)"),  # not a host-to-device copy
-        {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 100, "name": "aten::mm", "args": {}},
-    ]}
+    trace = {
+        "traceEvents": [
+            _event("kernel", 0, 10, 7),
+            _event("kernel", 20, 10, 7),  # the target on stream 7
+            _event("gpu_memcpy", 5, 10, 13, "Memcpy HtoD (Pinned -> Device)"),  # 5 of 10 us under kernels
+            _event("gpu_memcpy", 40, 4, 7, "Memcpy HtoD (Pinned -> Device)"),  # same stream: never hidden
+            _event("gpu_memcpy", 30, 2, 13, "Memcpy DtoH (Device -> Pinned)"),  # not a host-to-device copy
+            {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 100, "name": "aten::mm", "args": {}},
+        ]
+    }
     summary = overlap.trace_summary(trace)
     assert summary["kernels"] == 2 and summary["window_us"] == 44
     assert summary["device_busy_fraction"] == round(20 / 44, 3)
-    assert summary["htod_copies_by_stream"] == {"13": {"copies": 1, "copy_us": 10, "overlapped_fraction": 0.5},
-                                                "7": {"copies": 1, "copy_us": 4, "overlapped_fraction": 0.0}}
+    assert summary["htod_copies_by_stream"] == {
+        "13": {"copies": 1, "copy_us": 10, "overlapped_fraction": 0.5},
+        "7": {"copies": 1, "copy_us": 4, "overlapped_fraction": 0.0},
+    }
     assert overlap.trace_summary({"traceEvents": []}) == {"kernels": 0}

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.decoding.bitmask import bitmask_width, token_allowed
-from tandem.decoding.checks import FLOAT_DTYPES, check_tensor
+from tandem.core.bitmask import bitmask_width, token_allowed
+from tandem.core.checks import FLOAT_DTYPES, check_tensor
+from tandem.core.rng import STREAM_ACCEPT, STREAM_EMIT, uniform
 from tandem.decoding.params import RelaxedAcceptance, SamplingTensors
-from tandem.decoding.rng import STREAM_ACCEPT, STREAM_EMIT, uniform
 from tandem.decoding.sampling import (
     PLACEHOLDER_TOKEN_ID,
     check_sampling,
@@ -71,8 +71,9 @@ class AcceptanceResult:
     def without_drafts(cls, tokens: torch.Tensor) -> AcceptanceResult:
         """The result of a step with k = 0 from `sample`'s tokens [B] (-1 at a dead end), which
         equal `accept`'s without drafts."""
-        return cls(num_accepted=torch.zeros_like(tokens), tokens=tokens[:, None],
-                   dead_end=tokens == PLACEHOLDER_TOKEN_ID)
+        return cls(
+            num_accepted=torch.zeros_like(tokens), tokens=tokens[:, None], dead_end=tokens == PLACEHOLDER_TOKEN_ID
+        )
 
     @property
     def num_emitted(self) -> torch.Tensor:
@@ -82,8 +83,10 @@ class AcceptanceResult:
     def to_host(self) -> list[tuple[list[int], int, bool]]:
         """Per row ``(emitted tokens, drafts accepted, dead end)`` as Python values: one read of the device."""
         columns = torch.cat([self.num_accepted[:, None], self.dead_end[:, None].long(), self.tokens], dim=1)
-        return [(tokens[: accepted + (not dead_end)], accepted, bool(dead_end))
-                for accepted, dead_end, *tokens in columns.tolist()]
+        return [
+            (tokens[: accepted + (not dead_end)], accepted, bool(dead_end))
+            for accepted, dead_end, *tokens in columns.tolist()
+        ]
 
 
 def accept(
@@ -115,12 +118,77 @@ def accept(
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-    if backend == "triton" or (backend == "auto" and target_logits.is_cuda and _triton_available()):
-        from tandem.kernels import accept_triton  # imported late: it compiles kernels at import
-
-        return accept_triton(target_logits, draft_tokens, draft_probs=draft_probs, sampling=sampling,
-                             bitmask=bitmask, in_thinking=in_thinking, relaxed=relaxed)
     check_accept_inputs(target_logits, draft_tokens, draft_probs, sampling, bitmask, in_thinking, relaxed)
+    if backend == "triton" or (backend == "auto" and target_logits.is_cuda and _triton_available()):
+        return _accept_with_kernels(target_logits, draft_tokens, draft_probs, sampling, bitmask, in_thinking, relaxed)
+    return _accept_torch(target_logits, draft_tokens, draft_probs, sampling, bitmask, in_thinking, relaxed)
+
+
+def _accept_with_kernels(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sampling: SamplingTensors | None,
+    bitmask: torch.Tensor | None,
+    in_thinking: torch.Tensor | None,
+    relaxed: RelaxedAcceptance | None,
+) -> AcceptanceResult:
+    """`accept` by the fused Triton kernels (`tandem.kernels.acceptance`); stochastic rows with
+    top-k or top-p, which the kernels do not compute, by the torch path, row by row."""
+    from tandem.kernels import accept_triton  # imported late: importing it compiles the kernels
+
+    if target_logits.shape[-1] == 0:
+        raise ValueError(
+            f"target_logits must have a vocabulary of at least 1 token, got shape {list(target_logits.shape)}"
+        )
+    stochastic = sampling is not None and not sampling.all_greedy
+    fallback = None
+    if stochastic and sampling.any_top_k_top_p:
+        fallback = ((sampling.top_k > 0) | (sampling.top_p < 1)) & (sampling.temperature > 0)
+    tokens, num_accepted, dead_end = accept_triton(
+        target_logits,
+        draft_tokens,
+        draft_probs=draft_probs,
+        bitmask=bitmask,
+        in_thinking=None if relaxed is None else in_thinking,
+        temperature=sampling.temperature if stochastic else None,
+        min_p=sampling.min_p if stochastic and sampling.any_min_p else None,
+        seed=sampling.seed if stochastic else None,
+        relaxed_top_k=0 if relaxed is None else relaxed.top_k,
+        relaxed_delta=0.0 if relaxed is None else relaxed.delta,
+        rows=None if fallback is None else (~fallback).nonzero().squeeze(-1),
+    )
+    result = AcceptanceResult(num_accepted=num_accepted, tokens=tokens, dead_end=dead_end)
+    rows = None if fallback is None else fallback.nonzero().squeeze(-1)
+    if rows is not None and rows.numel():
+        pick = lambda value: None if value is None else value[rows]  # noqa: E731
+        fields = ("temperature", "top_k", "top_p", "min_p", "seed")
+        subset = SamplingTensors(*(getattr(sampling, name)[rows] for name in fields))
+        torch_result = _accept_torch(
+            target_logits[rows],
+            draft_tokens[rows],
+            pick(draft_probs),
+            subset,
+            pick(bitmask),
+            pick(in_thinking),
+            relaxed,
+        )
+        result.num_accepted[rows] = torch_result.num_accepted
+        result.tokens[rows] = torch_result.tokens
+        result.dead_end[rows] = torch_result.dead_end
+    return result
+
+
+def _accept_torch(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    sampling: SamplingTensors | None,
+    bitmask: torch.Tensor | None,
+    in_thinking: torch.Tensor | None,
+    relaxed: RelaxedAcceptance | None,
+) -> AcceptanceResult:
+    """`accept` by torch ops on any device: the reference the kernels are tested against."""
     batch, num_positions, vocab_size = target_logits.shape
     k = num_positions - 1
     masked, dead = mask_logits(target_logits, bitmask)  # [B, k+1, V], [B, k+1]

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.core.transfer import int64_tensor
 from tandem.decoding.sampling import sorted_candidates
-from tandem.transfer import int64_tensor
 
 
 @dataclass(frozen=True)
@@ -33,5 +33,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> 
         return [TokenLogprob(token, logprob, []) for token, logprob in zip(token_ids, chosen)]
     values, ids = sorted_candidates(log_probs, min(num_top, log_probs.shape[-1]))
     values, ids = values.tolist(), ids.tolist()
-    return [TokenLogprob(token, logprob, list(zip(top_ids, top_values)))
-            for token, logprob, top_ids, top_values in zip(token_ids, chosen, ids, values)]
+    return [
+        TokenLogprob(token, logprob, list(zip(top_ids, top_values)))
+        for token, logprob, top_ids, top_values in zip(token_ids, chosen, ids, values)
+    ]

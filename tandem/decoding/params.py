@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.transfer import to_device
+from tandem.core.transfer import to_device
 
 MAX_LOGPROBS = 20  # SamplingParams.logprobs at most: alternatives per token, as OpenAI's top_logprobs allows
 
@@ -203,22 +203,38 @@ class SamplingParams:
         _require(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "an int >= 0")
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an int >= 1")
+        _require(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an int >= 1"
+        )
         _require(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an int or None")
-        _require(self.logprobs is None or isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS,
-                 "logprobs", self.logprobs, f"None or an int in 0..{MAX_LOGPROBS}")
+        _require(
+            self.logprobs is None or isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS,
+            "logprobs",
+            self.logprobs,
+            f"None or an int in 0..{MAX_LOGPROBS}",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             _require(-2 <= getattr(self, name) <= 2, name, getattr(self, name), "in [-2, 2]")
         _require(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
-        _require(self.logit_bias is None or all(
-            isinstance(token, int) and token >= 0 and -100 <= bias <= 100 for token, bias in self.logit_bias.items()),
-            "logit_bias", self.logit_bias, "a dict of token ids >= 0 to values in [-100, 100]")
+        _require(
+            self.logit_bias is None
+            or all(
+                isinstance(token, int) and token >= 0 and -100 <= bias <= 100 for token, bias in self.logit_bias.items()
+            ),
+            "logit_bias",
+            self.logit_bias,
+            "a dict of token ids >= 0 to values in [-100, 100]",
+        )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _require(all(isinstance(s, str) and s for s in self.stop or []), "stop", self.stop, "non-empty strings")
-        constraints = [name for name in ("json_schema", "regex", "grammar", "choice") if getattr(self, name) is not None]
+        constraints = [
+            name for name in ("json_schema", "regex", "grammar", "choice") if getattr(self, name) is not None
+        ]
         if len(constraints) > 1:
-            raise ValueError(f"SamplingParams: give at most one of json_schema, regex, grammar, choice; got {constraints}")
+            raise ValueError(
+                f"SamplingParams: give at most one of json_schema, regex, grammar, choice; got {constraints}"
+            )
 
     @property
     def stop_strings(self) -> list[str]:
@@ -235,7 +251,9 @@ def _require(ok: bool, name: str, value: object, rule: str) -> None:
         raise ValueError(f"SamplingParams.{name} = {value!r} must be {rule}")
 
 
-def batch_sampling(params: list[SamplingParams], seeds: torch.Tensor, device: torch.device | str = "cpu") -> SamplingTensors:
+def batch_sampling(
+    params: list[SamplingParams], seeds: torch.Tensor, device: torch.device | str = "cpu"
+) -> SamplingTensors:
     """Stack per-request settings into SamplingTensors; `seeds` [B] int64 are this step's seeds."""
     return SamplingTensors(
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.core.transfer import int64_tensor, to_device
 from tandem.decoding.params import SamplingParams
-from tandem.transfer import int64_tensor, to_device
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,13 @@ class LogitAdjustments:
             ids = list(itertools.chain.from_iterable(tokens.values()))
             lengths = int64_tensor([len(row) for row in tokens.values()], device)
             rows = int64_tensor(list(tokens), device).repeat_interleave(lengths, output_size=len(ids))
-            weights = torch.ones(len(ids), device=device) if values is None else to_device(
-                torch.tensor(list(itertools.chain.from_iterable(values.values())), dtype=torch.float32), device)
+            weights = (
+                torch.ones(len(ids), device=device)
+                if values is None
+                else to_device(
+                    torch.tensor(list(itertools.chain.from_iterable(values.values())), dtype=torch.float32), device
+                )
+            )
             table = torch.zeros(len(params), vocab_size, device=device)
             return table.index_put_((rows, int64_tensor(ids, device)), weights, accumulate=True)
 
@@ -76,12 +81,16 @@ class LogitAdjustments:
         # Only the repetition penalty reads the prompt: with r = 1 being seen changes nothing.
         repeating = {b: prompts[b] for b in adjusted if params[b].repetition_penalty != 1}
         return cls(
-            presence=per_row("presence_penalty"), frequency=per_row("frequency_penalty"),
+            presence=per_row("presence_penalty"),
+            frequency=per_row("frequency_penalty"),
             repetition=per_row("repetition_penalty"),
             output_counts=dense({b: outputs[b] for b in adjusted}),
             prompt_seen=dense(repeating) > 0 if repeating else None,
-            bias=dense({b: list(bias) for b, bias in biases.items()},
-                       {b: list(bias.values()) for b, bias in biases.items()}) if biases else None,
+            bias=dense(
+                {b: list(bias) for b, bias in biases.items()}, {b: list(bias.values()) for b, bias in biases.items()}
+            )
+            if biases
+            else None,
         )
 
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:

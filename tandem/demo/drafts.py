@@ -1,7 +1,7 @@
 """Training the shipped demo drafts: EAGLE-3 and EAGLE-1 for demo-llama, the MTP layer of demo-deepseek.
 
 All three turn the pair (target state at p-1, token x_p) into a prediction of x_{p+1} and are
-chained k times at inference (`tandem.models.eagle.propose_chained`). They are trained with
+chained k times at inference (`tandem.models.drafts.eagle.propose_chained`). They are trained with
 *training-time test* (TTT, EAGLE-3 paper, section 3.2) over `DEPTHS` chained depths: depth 0
 reads the target's features, depth d reads the draft's own output of depth d-1 at the previous
 position, and every depth attends to exactly what it attends to at inference (`ttt_visibility`).
@@ -11,8 +11,8 @@ The loss is the cross-entropy against the frozen target's distribution at the sa
 completions of corpus prompts (`self_distilled_rows`): the draft learns what the target says.
 
 The heads are built from transformers' own layers and saved under the published key names, so
-what tandem ships is read by the same loaders as real checkpoints (`tandem.models.eagle3`,
-`tandem.models.eagle`, and `tandem.models.mtp` from `model.layers.{L}.*` of the target's own
+what tandem ships is read by the same loaders as real checkpoints (`tandem.models.drafts.eagle3`,
+`tandem.models.drafts.eagle`, and `tandem.models.drafts.mtp` from `model.layers.{L}.*` of the target's own
 checkpoint, as in DeepSeek-V3).
 """
 
@@ -31,12 +31,24 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
-from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm,
-                                                      LlamaRotaryEmbedding)
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
 
 from tandem.demo.corpus import generate_examples
-from tandem.demo.train import (IGNORE_INDEX, SETTINGS_FILE, TrainSettings, batch_rows, loss_summary, summary_window,
-                               train_model)
+from tandem.demo.train import (
+    IGNORE_INDEX,
+    SETTINGS_FILE,
+    TrainSettings,
+    batch_rows,
+    loss_summary,
+    summary_window,
+    train_model,
+)
 from tandem.models.base import default_aux_layer_ids
 
 DEPTHS = 4  # chained draft steps trained: the k the demo runs with
@@ -138,8 +150,9 @@ class EagleHead(SiblingHead):
 
     def layer(self, embeds: Tensor, hidden: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
         """[B, N, H] embeddings and hidden inputs -> the layer's outputs g [B, N, H] (embedding first)."""
-        return self.layers[0](self.fc(torch.cat([embeds, hidden], dim=-1)), attention_mask=mask,
-                              position_embeddings=rope)
+        return self.layers[0](
+            self.fc(torch.cat([embeds, hidden], dim=-1)), attention_mask=mask, position_embeddings=rope
+        )
 
     def logits(self, g: Tensor, target: PreTrainedModel) -> Tensor:
         return target.lm_head(g)  # no norm: g feeds the target's head as it is
@@ -179,11 +192,16 @@ class MTPHead(nn.Module):
         """`model.layers.{L}.*` as DeepSeek-V3 stores it, with its duplicated embedding and head."""
         prefix = f"model.layers.{self.layer_id}."
         tensors = {f"{prefix}{name}": t for name, t in _per_expert(self.block.state_dict()).items()}
-        tensors.update({f"{prefix}enorm.weight": self.enorm.weight, f"{prefix}hnorm.weight": self.hnorm.weight,
-                        f"{prefix}eh_proj.weight": self.eh_proj.weight,
-                        f"{prefix}shared_head.norm.weight": self.shared_head_norm.weight,
-                        f"{prefix}shared_head.head.weight": target.lm_head.weight,
-                        f"{prefix}embed_tokens.weight": target.model.embed_tokens.weight})
+        tensors.update(
+            {
+                f"{prefix}enorm.weight": self.enorm.weight,
+                f"{prefix}hnorm.weight": self.hnorm.weight,
+                f"{prefix}eh_proj.weight": self.eh_proj.weight,
+                f"{prefix}shared_head.norm.weight": self.shared_head_norm.weight,
+                f"{prefix}shared_head.head.weight": target.lm_head.weight,
+                f"{prefix}embed_tokens.weight": target.model.embed_tokens.weight,
+            }
+        )
         return tensors
 
 
@@ -196,16 +214,20 @@ def _per_expert(state: dict[str, Tensor]) -> dict[str, Tensor]:
     gate_up, down = state["mlp.experts.gate_up_proj"], state["mlp.experts.down_proj"]
     gate, up = gate_up.chunk(2, dim=1)
     for e in range(gate_up.shape[0]):
-        out |= {f"mlp.experts.{e}.gate_proj.weight": gate[e], f"mlp.experts.{e}.up_proj.weight": up[e],
-                f"mlp.experts.{e}.down_proj.weight": down[e]}
+        out |= {
+            f"mlp.experts.{e}.gate_proj.weight": gate[e],
+            f"mlp.experts.{e}.up_proj.weight": up[e],
+            f"mlp.experts.{e}.down_proj.weight": down[e],
+        }
     return out
 
 
 DraftHead = Eagle3Head | EagleHead | MTPHead
 
 
-def ttt_forward(head: DraftHead, target: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor,
-                depths: int = DEPTHS) -> tuple[Tensor, list[Tensor]]:
+def ttt_forward(
+    head: DraftHead, target: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, depths: int = DEPTHS
+) -> tuple[Tensor, list[Tensor]]:
     """The target's and the draft's next-token log-probs at every pair and depth.
 
     input_ids, attention_mask: [B, T] (right-padded). Pair i stands for position p = i + 1: its
@@ -225,7 +247,7 @@ def ttt_forward(head: DraftHead, target: PreTrainedModel, input_ids: Tensor, att
         blocks = depth + 1
         mask = _additive(ttt_visibility(num_pairs, depth), hidden.dtype)
         rope = (cos.repeat(1, blocks, 1), sin.repeat(1, blocks, 1))
-        g = head.layer(embeds.repeat(1, blocks, 1), torch.cat(inputs, dim=1), rope, mask)[:, depth * num_pairs:]
+        g = head.layer(embeds.repeat(1, blocks, 1), torch.cat(inputs, dim=1), rope, mask)[:, depth * num_pairs :]
         draft.append(head.logits(g, target).float().log_softmax(-1))
         inputs.append(F.pad(g[:, :-1], (0, 0, 1, 0)))  # depth d+1 at pair i reads g at pair i-1
     return teacher, draft
@@ -249,10 +271,18 @@ def one_layer_config(target: PreTrainedModel, architecture: str, **fields: Any) 
     """A draft's config: one Llama layer of the target's shape, plus the draft kind's own `fields`."""
     t = target.config
     config = LlamaConfig(
-        architectures=[architecture], hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
-        head_dim=t.head_dim, vocab_size=t.vocab_size, rms_norm_eps=t.rms_norm_eps,
-        max_position_embeddings=t.max_position_embeddings, bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id,
+        architectures=[architecture],
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+        vocab_size=t.vocab_size,
+        rms_norm_eps=t.rms_norm_eps,
+        max_position_embeddings=t.max_position_embeddings,
+        bos_token_id=t.bos_token_id,
+        eos_token_id=t.eos_token_id,
         **fields,
     )
     config._attn_implementation = "sdpa"  # the TTT mask is a 4-D additive mask: any dense kernel takes it
@@ -263,7 +293,10 @@ def eagle3_config(target: PreTrainedModel) -> LlamaConfig:
     """EAGLE-3's config: its own RoPE, the full vocabulary as draft vocabulary, the capture points."""
     aux = default_aux_layer_ids(target.config.num_hidden_layers)
     return one_layer_config(
-        target, "LlamaForCausalLMEagle3", rope_parameters=dict(EAGLE3_ROPE), draft_vocab_size=target.config.vocab_size,
+        target,
+        "LlamaForCausalLMEagle3",
+        rope_parameters=dict(EAGLE3_ROPE),
+        draft_vocab_size=target.config.vocab_size,
         target_hidden_size=target.config.hidden_size,
         # SGLang/SpecForge convention: id i = the output of target layer i = HF hidden_states index i + 1.
         eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux]},
@@ -272,8 +305,9 @@ def eagle3_config(target: PreTrainedModel) -> LlamaConfig:
 
 def eagle_config(target: PreTrainedModel) -> LlamaConfig:
     """EAGLE-1's config: the target's RoPE, no `fc` bias (the Llama-3 drafts')."""
-    return one_layer_config(target, "LlamaForCausalLMEagle", rope_parameters=dict(target.config.rope_parameters),
-                            bias=False)
+    return one_layer_config(
+        target, "LlamaForCausalLMEagle", rope_parameters=dict(target.config.rope_parameters), bias=False
+    )
 
 
 def new_head(kind: str, target: PreTrainedModel) -> DraftHead:
@@ -305,8 +339,11 @@ def save_head(kind: str, head: DraftHead, target: PreTrainedModel, target_dir: P
         config = json.loads((target_dir / "config.json").read_text())
         config["num_nextn_predict_layers"] = 1
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in tensors.items()}, out_dir / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().to(dtype).contiguous() for k, v in tensors.items()},
+        out_dir / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     return out_dir
 
 
@@ -315,8 +352,9 @@ DISTILL_MAX_TOKENS = 160  # longest target completion generated for draft traini
 DISTILL_EPOCHS = 2  # passes over the generated chats (half the chats, half the generation time)
 
 
-def self_distilled_rows(target_dir: Path, tokenizer: PreTrainedTokenizerBase, num_chats: int,
-                        seed: int) -> list[tuple[list[int], list[int]]]:
+def self_distilled_rows(
+    target_dir: Path, tokenizer: PreTrainedTokenizerBase, num_chats: int, seed: int
+) -> list[tuple[list[int], list[int]]]:
     """(input_ids, labels) of corpus prompts with the target's OWN greedy completion as the assistant turn.
 
     EAGLE's data regeneration: the draft learns to predict what the target says (which is what it
@@ -328,8 +366,9 @@ def self_distilled_rows(target_dir: Path, tokenizer: PreTrainedTokenizerBase, nu
     llm = LLM(str(target_dir), None, max_num_seqs=16)
     prompts = [llm.chat_prompt(example.messages, example.tools) for example in generate_examples(num_chats, seed)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=DISTILL_MAX_TOKENS))
-    return [(prompt + out.token_ids, [IGNORE_INDEX] * len(prompt) + out.token_ids)
-            for prompt, out in zip(prompts, outputs)]
+    return [
+        (prompt + out.token_ids, [IGNORE_INDEX] * len(prompt) + out.token_ids) for prompt, out in zip(prompts, outputs)
+    ]
 
 
 def train_draft(kind: str, tokenizer: PreTrainedTokenizerBase, assets: Path, settings: TrainSettings) -> dict[str, Any]:
@@ -345,8 +384,12 @@ def train_draft(kind: str, tokenizer: PreTrainedTokenizerBase, assets: Path, set
     head = new_head(kind, target)
     num_chats = settings.steps * settings.batch_size // DISTILL_EPOCHS
     rows = self_distilled_rows(target_dir, tokenizer, num_chats, settings.seed)
-    batches = batch_rows(itertools.chain.from_iterable(itertools.repeat(rows, DISTILL_EPOCHS)), tokenizer.pad_token_id,
-                         settings.batch_size, settings.seed)
+    batches = batch_rows(
+        itertools.chain.from_iterable(itertools.repeat(rows, DISTILL_EPOCHS)),
+        tokenizer.pad_token_id,
+        settings.batch_size,
+        settings.seed,
+    )
     agreement_log: list[list[float]] = []
 
     def loss_fn(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
@@ -354,17 +397,20 @@ def train_draft(kind: str, tokenizer: PreTrainedTokenizerBase, assets: Path, set
         agreement_log.append(agreement)
         return loss
 
-    losses = train_model(head, batches, settings,
-                         desc=f"train {kind} draft of {target_dir.name}", loss_fn=loss_fn)
+    losses = train_model(head, batches, settings, desc=f"train {kind} draft of {target_dir.name}", loss_fn=loss_fn)
     dtype = getattr(torch, json.loads((target_dir / "config.json").read_text())["dtype"])  # the target's file dtype
     out_dir = save_head(kind, head, target, target_dir, dtype)
-    tail = agreement_log[-summary_window(len(losses)):]
+    tail = agreement_log[-summary_window(len(losses)) :]
     record = {
         "draft": kind,
         "target": target_dir.name,
         "training": asdict(settings),
-        "data": {"self_distilled_chats": num_chats, "epochs": DISTILL_EPOCHS, "max_tokens": DISTILL_MAX_TOKENS,
-                 "generated_tokens": sum(len(labels) - labels.count(IGNORE_INDEX) for _, labels in rows)},
+        "data": {
+            "self_distilled_chats": num_chats,
+            "epochs": DISTILL_EPOCHS,
+            "max_tokens": DISTILL_MAX_TOKENS,
+            "generated_tokens": sum(len(labels) - labels.count(IGNORE_INDEX) for _, labels in rows),
+        },
         "depths": DEPTHS,
         "depth_decay": DEPTH_DECAY,
         "num_parameters": sum(p.numel() for p in head.parameters() if p.requires_grad),

@@ -44,8 +44,9 @@ def split_completion(text: str) -> tuple[str, object] | None:
 
 def prompt_text(tokenizer: PreTrainedTokenizerBase, example: Example) -> str:
     """The chat-template prompt of `example`, ending inside `<think>`."""
-    return tokenizer.apply_chat_template(example.messages, tools=example.tools, tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        example.messages, tools=example.tools, tokenize=False, add_generation_prompt=True
+    )
 
 
 def _left_padded(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -58,19 +59,35 @@ def _left_padded(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate_heldout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, num_examples: int = 30,
-                     seed: int = 0, batch_size: int = 10, max_new_tokens: int = 128) -> EvalReport:
+def evaluate_heldout(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    num_examples: int = 30,
+    seed: int = 0,
+    batch_size: int = 10,
+    max_new_tokens: int = 128,
+) -> EvalReport:
     """Greedy-generate (transformers `generate`) for `num_examples` held-out prompts and check them."""
     model.eval()
-    report, validators = EvalReport(), {name: jsonschema.Draft202012Validator(f.schema) for name, f in TASK_FAMILIES.items()}
+    report, validators = (
+        EvalReport(),
+        {name: jsonschema.Draft202012Validator(f.schema) for name, f in TASK_FAMILIES.items()},
+    )
     examples = generate_examples(num_examples, seed=seed, split="heldout")
     for start in range(0, num_examples, batch_size):
-        chunk = examples[start:start + batch_size]
-        batch = _left_padded([tokenizer.encode(prompt_text(tokenizer, e), add_special_tokens=False) for e in chunk],
-                             tokenizer.pad_token_id)
-        output = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        for example, row in zip(chunk, output[:, batch["input_ids"].shape[1]:]):
+        chunk = examples[start : start + batch_size]
+        batch = _left_padded(
+            [tokenizer.encode(prompt_text(tokenizer, e), add_special_tokens=False) for e in chunk],
+            tokenizer.pad_token_id,
+        )
+        output = model.generate(
+            **batch,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        for example, row in zip(chunk, output[:, batch["input_ids"].shape[1] :]):
             text = tokenizer.decode(row[row != tokenizer.pad_token_id])
             parsed = split_completion(text)
             valid = parsed is not None and validators[example.family].is_valid(parsed[1])
@@ -84,4 +101,3 @@ def evaluate_heldout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
             if len(report.samples) < 3:
                 report.samples.append(text)
     return report
-

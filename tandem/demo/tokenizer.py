@@ -22,8 +22,8 @@ each of its `tool_calls` as `{"name": ..., "arguments": {...}}`: the format of `
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -96,26 +96,42 @@ def _training_texts(seed: int, num_examples: int) -> Iterator[str]:
         yield example.answer_text
 
 
-def train_tokenizer(seed: int = 0, num_examples: int = 20_000,
-                    vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    seed: int = 0, num_examples: int = 20_000, vocab_size: int = DEFAULT_VOCAB_SIZE
+) -> PreTrainedTokenizerFast:
     """Train the byte-level BPE on `num_examples` corpus examples; deterministic for a given seed."""
     if vocab_size <= len(SPECIAL_TOKENS) + 256:
-        raise ValueError(f"vocab_size {vocab_size} leaves no room for merges (256 bytes + {len(SPECIAL_TOKENS)} specials)")
+        raise ValueError(
+            f"vocab_size {vocab_size} leaves no room for merges (256 bytes + {len(SPECIAL_TOKENS)} specials)"
+        )
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator(_training_texts(seed, num_examples), trainer)
     bos_id = bpe.token_to_id(BOS)
     bpe.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token=BOS, eos_token=EOT, pad_token=PAD, chat_template=CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False, model_max_length=4096)
+        tokenizer_object=bpe,
+        bos_token=BOS,
+        eos_token=EOT,
+        pad_token=PAD,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=4096,
+    )
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:

@@ -1,4 +1,4 @@
-"""`tandem train-demo`: build the tokenizer and train the demo models shipped in `tandem/assets/`.
+"""Training the demo models shipped in `tandem/assets/` (run by `tandem train-demo`).
 
 Stages, each reproducible from its seed: the tokenizer (`tokenizer/`), then the targets with
 transformers' own `LlamaForCausalLM` (`demo-llama/`) and `DeepseekV3ForCausalLM` (`demo-deepseek/`,
@@ -13,22 +13,30 @@ demo-deepseek (inside its checkpoint).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
 import random
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import (AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM,
-                          PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup)
+from transformers import (
+    AutoTokenizer,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    get_cosine_schedule_with_warmup,
+)
 
-from tandem.assets import ASSETS_DIR
 from tandem.demo.corpus import Example, iter_examples
 from tandem.demo.evaluate import evaluate_heldout, prompt_text
 from tandem.demo.tokenizer import DEFAULT_VOCAB_SIZE, save_tokenizer, train_tokenizer
@@ -42,23 +50,57 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "demo": {
         "tokenizer": {"num_examples": 20_000, "vocab_size": DEFAULT_VOCAB_SIZE},
         # narrow and deep: a target many times the cost of its one-layer draft, as real pairs are
-        "llama": {"hidden_size": 192, "intermediate_size": 576, "num_hidden_layers": 16,
-                  "num_attention_heads": 6, "num_key_value_heads": 2},
-        "deepseek": {"hidden_size": 192, "intermediate_size": 576, "moe_intermediate_size": 96,
-                     "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8,
-                     "q_lora_rank": 128, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
-                     "v_head_dim": 32, "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
-                     "num_experts_per_tok": 2},
+        "llama": {
+            "hidden_size": 192,
+            "intermediate_size": 576,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 2,
+        },
+        "deepseek": {
+            "hidden_size": 192,
+            "intermediate_size": 576,
+            "moe_intermediate_size": 96,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "q_lora_rank": 128,
+            "kv_lora_rank": 64,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 32,
+            "n_routed_experts": 8,
+            "n_group": 4,
+            "topk_group": 2,
+            "num_experts_per_tok": 2,
+        },
     },
     "tiny": {
         "tokenizer": {"num_examples": 1_000, "vocab_size": 512},
-        "llama": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                  "num_attention_heads": 4, "num_key_value_heads": 2},
-        "deepseek": {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-                     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
-                     "v_head_dim": 8, "n_routed_experts": 4, "n_group": 2, "topk_group": 1,
-                     "num_experts_per_tok": 2},
+        "llama": {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+        "deepseek": {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 8,
+            "n_routed_experts": 4,
+            "n_group": 2,
+            "topk_group": 1,
+            "num_experts_per_tok": 2,
+        },
     },
 }
 TARGETS = {"llama": "demo-llama", "deepseek": "demo-deepseek"}
@@ -83,18 +125,36 @@ class TrainSettings:
 
 def target_config(kind: str, tokenizer: PreTrainedTokenizerBase, size: str = "demo") -> PretrainedConfig:
     """The HF config of the demo target `kind` ("llama" | "deepseek"), with the tokenizer's special ids."""
-    ids = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
-           "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-           "tie_word_embeddings": False}
+    ids = {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+    }
     if kind == "llama":  # Llama 3.1's RoPE (theta 500000, llama3 scaling by 8), at 1/8 of its context
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
-        return LlamaConfig(**SIZES[size]["llama"], **ids, max_position_embeddings=8192, rope_parameters=rope,
-                           rms_norm_eps=1e-5)
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        }
+        return LlamaConfig(
+            **SIZES[size]["llama"], **ids, max_position_embeddings=8192, rope_parameters=rope, rms_norm_eps=1e-5
+        )
     if kind == "deepseek":  # first layer dense, then MoE: routed experts in groups + 1 shared expert
-        return DeepseekV3Config(**SIZES[size]["deepseek"], **ids, max_position_embeddings=4096,
-                                n_shared_experts=1, first_k_dense_replace=1,
-                                routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0)
+        return DeepseekV3Config(
+            **SIZES[size]["deepseek"],
+            **ids,
+            max_position_embeddings=4096,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            num_nextn_predict_layers=0,
+        )
     raise ValueError(f"unknown target {kind!r}; expected one of {sorted(TARGETS)}")
 
 
@@ -106,19 +166,21 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, example: Example) -> tuple[l
     prompt = prompt_text(tokenizer, example)
     full = tokenizer.apply_chat_template(example.chat(), tools=example.tools, tokenize=False)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    completion_ids = tokenizer.encode(full[len(prompt):], add_special_tokens=False)
+    completion_ids = tokenizer.encode(full[len(prompt) :], add_special_tokens=False)
     return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
 
 
-def iter_batches(tokenizer: PreTrainedTokenizerBase, batch_size: int, seed: int, split: str = "train",
-                 bucket: int = 8) -> Iterator[dict[str, torch.Tensor]]:
+def iter_batches(
+    tokenizer: PreTrainedTokenizerBase, batch_size: int, seed: int, split: str = "train", bucket: int = 8
+) -> Iterator[dict[str, torch.Tensor]]:
     """Endless right-padded batches of corpus chats (`batch_rows` of `encode_chat`)."""
     rows = (encode_chat(tokenizer, example) for example in iter_examples(seed, split))
     return batch_rows(rows, tokenizer.pad_token_id, batch_size, seed, bucket)
 
 
-def batch_rows(rows: Iterator[tuple[list[int], list[int]]], pad_id: int, batch_size: int, seed: int,
-               bucket: int = 8) -> Iterator[dict[str, torch.Tensor]]:
+def batch_rows(
+    rows: Iterator[tuple[list[int], list[int]]], pad_id: int, batch_size: int, seed: int, bucket: int = 8
+) -> Iterator[dict[str, torch.Tensor]]:
     """Right-padded batches of (input_ids, labels) rows: input_ids, labels, attention_mask, each [B, T] int64.
 
     Rows are drawn `bucket` batches at a time and grouped by length (less padding); the
@@ -126,15 +188,17 @@ def batch_rows(rows: Iterator[tuple[list[int], list[int]]], pad_id: int, batch_s
     """
     order = random.Random(seed)
     while pool := sorted(itertools.islice(rows, batch_size * bucket), key=lambda r: len(r[0])):
-        groups = [pool[i:i + batch_size] for i in range(0, len(pool), batch_size)]
+        groups = [pool[i : i + batch_size] for i in range(0, len(pool), batch_size)]
         order.shuffle(groups)
         yield from (_pad_batch(group, pad_id) for group in groups)
 
 
 def _pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     batch_size, width = len(rows), max(len(ids) for ids, _ in rows)
-    batch = {name: torch.full((batch_size, width), fill, dtype=torch.long)
-             for name, fill in [("input_ids", pad_id), ("labels", IGNORE_INDEX), ("attention_mask", 0)]}
+    batch = {
+        name: torch.full((batch_size, width), fill, dtype=torch.long)
+        for name, fill in [("input_ids", pad_id), ("labels", IGNORE_INDEX), ("attention_mask", 0)]
+    }
     for row, (ids, labels) in enumerate(rows):
         batch["input_ids"][row, : len(ids)] = torch.tensor(ids)
         batch["labels"][row, : len(ids)] = torch.tensor(labels)
@@ -147,15 +211,18 @@ def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> to
     return model(**batch).loss
 
 
-def train_model(model: torch.nn.Module, batches: Iterator[dict[str, torch.Tensor]], settings: TrainSettings,
-                desc: str, loss_fn: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor] = causal_lm_loss,
-                ) -> list[float]:
+def train_model(
+    model: torch.nn.Module,
+    batches: Iterator[dict[str, torch.Tensor]],
+    settings: TrainSettings,
+    desc: str,
+    loss_fn: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor] = causal_lm_loss,
+) -> list[float]:
     """AdamW with warmup + cosine decay for `settings.steps` on the parameters that require grad;
     returns the loss of every step."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay,
-                                  betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.95))
     schedule = get_cosine_schedule_with_warmup(optimizer, settings.warmup_steps, settings.steps)
     losses: list[float] = []
     progress = tqdm(range(settings.steps), desc=desc, unit="step", dynamic_ncols=True)
@@ -187,15 +254,17 @@ def bf16_agreement(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> fl
     return (reference == candidate)[scored].float().mean().item()
 
 
-def train_target(kind: str, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path,
-                 settings: TrainSettings) -> dict[str, Any]:
+def train_target(
+    kind: str, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path, settings: TrainSettings
+) -> dict[str, Any]:
     """Train one demo target and write its HF directory; returns the record saved as tandem_demo.json."""
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
     config = target_config(kind, tokenizer, settings.size)
     model = (LlamaForCausalLM if kind == "llama" else DeepseekV3ForCausalLM)(config)
-    losses = train_model(model, iter_batches(tokenizer, settings.batch_size, settings.seed), settings,
-                         desc=f"train {TARGETS[kind]}")
+    losses = train_model(
+        model, iter_batches(tokenizer, settings.batch_size, settings.seed), settings, desc=f"train {TARGETS[kind]}"
+    )
     agreement = bf16_agreement(model, next(iter_batches(tokenizer, 16, settings.seed, split="heldout")))
     dtype = torch.bfloat16 if agreement >= BF16_MIN_AGREEMENT else torch.float32
     model.load_state_dict({name: p.to(dtype).float() for name, p in model.state_dict().items()})
@@ -230,8 +299,7 @@ def summary_window(num_steps: int) -> int:
 def loss_summary(losses: list[float]) -> dict[str, float]:
     """`loss_start` / `loss_end` of a training record: the mean loss of the first / last steps."""
     window = summary_window(len(losses))
-    return {"loss_start": round(sum(losses[:window]) / window, 4),
-            "loss_end": round(sum(losses[-window:]) / window, 4)}
+    return {"loss_start": round(sum(losses[:window]) / window, 4), "loss_end": round(sum(losses[-window:]) / window, 4)}
 
 
 def load_or_train_tokenizer(out_dir: Path, size: str, retrain: bool) -> PreTrainedTokenizerBase:
@@ -240,44 +308,7 @@ def load_or_train_tokenizer(out_dir: Path, size: str, retrain: bool) -> PreTrain
     if retrain or not (directory / "tokenizer.json").is_file():
         settings = SIZES[size]["tokenizer"]
         save_tokenizer(train_tokenizer(seed=0, **settings), directory)
-        (directory / SETTINGS_FILE).write_text(json.dumps({"corpus": {"seed": 0, "split": "train"}, **settings},
-                                                          indent=2) + "\n")
+        (directory / SETTINGS_FILE).write_text(
+            json.dumps({"corpus": {"seed": 0, "split": "train"}, **settings}, indent=2) + "\n"
+        )
     return AutoTokenizer.from_pretrained(directory)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = TrainSettings(steps=0)
-    parser.add_argument("--out", type=Path, default=ASSETS_DIR, help="assets directory (default: tandem/assets)")
-    parser.add_argument("--only", choices=["tokenizer", *TARGETS, *DRAFTS],
-                        help="one stage; a target reuses OUT/tokenizer, a draft its trained target in OUT")
-    parser.add_argument("--steps", type=int, help=f"optimizer steps per target (default: {DEFAULT_STEPS})")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="model init and corpus stream seed")
-    parser.add_argument("--size", choices=sorted(SIZES), default=defaults.size, help="'tiny' for smoke tests")
-    parser.add_argument("--eval-examples", type=int, default=defaults.eval_examples,
-                        help="held-out prompts checked after training")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-
-
-def run(args: argparse.Namespace) -> int:
-    from tandem.demo.drafts import train_draft
-
-    torch.set_num_threads(args.threads)
-    tokenizer = load_or_train_tokenizer(args.out, args.size, retrain=args.only in (None, "tokenizer"))
-    if args.only == "tokenizer":
-        return 0
-    for stage in [args.only] if args.only else [*TARGETS, *DRAFTS]:
-        settings = TrainSettings(steps=args.steps or DEFAULT_STEPS[stage], batch_size=args.batch_size, lr=args.lr,
-                                 seed=args.seed, size=args.size, eval_examples=args.eval_examples)
-        if stage in DRAFTS:
-            record = train_draft(stage, tokenizer, args.out, settings)
-            print(f"{stage} draft of {record['target']}: loss {record['loss_start']} -> {record['loss_end']}, "
-                  f"top-1 agreement by depth {record['train_top1_agreement_by_depth']}, {record['wall_time_s']} s")
-            continue
-        record = train_target(stage, tokenizer, args.out / TARGETS[stage], settings)
-        heldout = record["heldout"]
-        print(f"{record['target']}: loss {record['loss_start']} -> {record['loss_end']}, "
-              f"held-out valid {heldout['valid']}/{heldout['total']} (exact {heldout['exact']}), "
-              f"{record['dtype']}, {record['wall_time_s']} s")
-    return 0

@@ -21,11 +21,10 @@ from tandem.grammars.support import unhonoured
 from tandem.grammars.tokenizer import GrammarTokenizer
 
 # backend="auto" tries these in order and takes the first that honours the spec and compiles.
-# Measured with `tandem eval-schemas ../shared/data/maskbench --limit 300 --sample` (seed 0, the
-# shipped tokenizer): llguidance compiles the most schemas soundly (251/300 vs xgrammar 223/300),
-# accepts every valid instance (269/269; xgrammar forces declared property order) and compiles
-# ~25x faster (p50 0.7 ms vs 17.9 ms); xgrammar's masks are faster (p50 2.0 vs 4.8 us/token) and
-# it takes schemas llguidance rejects; outlines-core honours the fewest keywords and its DFA
+# Measured with `tandem eval-schemas MASKBENCH_DIR --limit 300 --sample` (seed 0, the shipped
+# tokenizer): llguidance compiles the most schemas soundly, accepts every valid instance (xgrammar
+# forces declared property order) and compiles much faster; xgrammar's masks are faster and it
+# takes schemas llguidance rejects; outlines-core honours the fewest keywords and its DFA
 # compilation can run for minutes, so it comes last.
 AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
 
@@ -44,7 +43,9 @@ def compile_grammar(spec: GrammarSpec, tokenizer: GrammarTokenizer, backend: str
         raise ValueError(f"unknown grammar backend {backend!r}; choose from {sorted(BACKENDS)} or 'auto'")
     module = BACKENDS[backend]
     if spec.kind not in module.KINDS:
-        raise GrammarCompileError(f"backend {backend!r} does not compile {spec.kind} grammars (it takes {sorted(module.KINDS)})")
+        raise GrammarCompileError(
+            f"backend {backend!r} does not compile {spec.kind} grammars (it takes {sorted(module.KINDS)})"
+        )
     if spec.strict and (missing := unhonoured(spec, backend)):
         raise GrammarRefused(backend, missing)
     start = time.perf_counter()
@@ -60,7 +61,9 @@ def _compile_auto(spec: GrammarSpec, tokenizer: GrammarTokenizer) -> CompiledGra
     refused: list[GrammarRefused] = []
     for backend in AUTO_ORDER:  # first choice: a backend that honours the spec
         try:
-            return dataclasses.replace(compile_grammar(dataclasses.replace(spec, strict=True), tokenizer, backend), spec=spec)
+            return dataclasses.replace(
+                compile_grammar(dataclasses.replace(spec, strict=True), tokenizer, backend), spec=spec
+            )
         except GrammarRefused as e:
             refused.append(e)
             reasons.append(str(e))
@@ -107,7 +110,9 @@ class CompileJob:
 
     def timed_out(self) -> bool:
         """Started, unfinished, and past its time limit; never blocks."""
-        return self._started.is_set() and not self.future.done() and time.monotonic() >= self._start_time + self.timeout_s
+        return (
+            self._started.is_set() and not self.future.done() and time.monotonic() >= self._start_time + self.timeout_s
+        )
 
     def done(self) -> bool:
         """True once the result, an error, or the time limit is reached; never blocks."""

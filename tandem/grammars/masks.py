@@ -14,15 +14,15 @@ walk one position at a time, for drafts that propose under the grammar.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 import torch
 
-from tandem.decoding.bitmask import bitmask_width, pack_bitmask, unpack_bitmask
+from tandem.core.bitmask import bitmask_width, pack_bitmask, unpack_bitmask
+from tandem.core.transfer import to_device
 from tandem.grammars.backends.base import Matcher
-from tandem.grammars.thinking import ThinkingTracker
-from tandem.transfer import to_device
+from tandem.thinking import ThinkingTracker
 
 
 @dataclass
@@ -58,7 +58,13 @@ class SpeculativeMasker:
     def row(self, row_id: Hashable) -> GrammarRow:
         return self._rows[row_id]
 
-    def fill(self, row_ids: Sequence[Hashable], drafts: torch.Tensor, bitmask: torch.Tensor, in_thinking: torch.Tensor) -> torch.Tensor:
+    def has_grammar(self, row_id: Hashable) -> bool:
+        """Whether the row is constrained (it has a matcher), not only tracked for its thinking phases."""
+        return self._rows[row_id].matcher is not None
+
+    def fill(
+        self, row_ids: Sequence[Hashable], drafts: torch.Tensor, bitmask: torch.Tensor, in_thinking: torch.Tensor
+    ) -> torch.Tensor:
         """Write masks for a batch; matchers and trackers end unchanged.
 
         row_ids: B ids given to `add_row`; drafts: [B, k] int64 CPU (k may be 0); a row with fewer
@@ -103,17 +109,30 @@ class MaskWalk:
     hold the walked tokens; nothing may commit to the masker in between.
     """
 
-    def __init__(self, masker: SpeculativeMasker, row_ids: Sequence[Hashable], k: int, bitmask: torch.Tensor,
-                 in_thinking: torch.Tensor, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        masker: SpeculativeMasker,
+        row_ids: Sequence[Hashable],
+        k: int,
+        bitmask: torch.Tensor,
+        in_thinking: torch.Tensor,
+        device: torch.device | str = "cpu",
+    ):
         batch = len(row_ids)
         if bitmask.shape[1:] != (k + 1, masker.width) or bitmask.dtype != torch.int32:
-            raise ValueError(f"bitmask must be int32 [B, {k + 1}, {masker.width}], got {bitmask.dtype} {list(bitmask.shape)}")
+            raise ValueError(
+                f"bitmask must be int32 [B, {k + 1}, {masker.width}], got {bitmask.dtype} {list(bitmask.shape)}"
+            )
         if bitmask.shape[0] < batch or in_thinking.shape[0] < batch or in_thinking.shape[1] != k + 1:
-            raise ValueError(f"buffers {list(bitmask.shape)} / {list(in_thinking.shape)} too small for {batch} rows, k={k}")
+            raise ValueError(
+                f"buffers {list(bitmask.shape)} / {list(in_thinking.shape)} too small for {batch} rows, k={k}"
+            )
         if bitmask.device.type != "cpu" or in_thinking.device.type != "cpu" or not bitmask.is_contiguous():
             # The backends write the rows through raw host pointers: a device buffer would crash the process.
-            raise ValueError(f"bitmask must be a contiguous CPU tensor and in_thinking a CPU tensor, got "
-                             f"{bitmask.device} (contiguous: {bitmask.is_contiguous()}) / {in_thinking.device}")
+            raise ValueError(
+                f"bitmask must be a contiguous CPU tensor and in_thinking a CPU tensor, got "
+                f"{bitmask.device} (contiguous: {bitmask.is_contiguous()}) / {in_thinking.device}"
+            )
         self.masker, self.k, self.device = masker, k, torch.device(device)
         self.bitmask, self.in_thinking = bitmask[:batch], in_thinking[:batch]
         self._flat = bitmask.view(-1, masker.width)  # the backends fill [N, W] rows by index

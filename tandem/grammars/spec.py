@@ -11,9 +11,10 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import jsonschema
 import llguidance
@@ -75,9 +76,13 @@ class GrammarSpec:
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
-                raise InvalidGrammarSpec(f"json_schema: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+                raise InvalidGrammarSpec(
+                    f"json_schema: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}"
+                ) from None
         if not isinstance(schema, (dict, bool)):
-            raise InvalidGrammarSpec(f"json_schema: a schema must be an object or a boolean, got {type(schema).__name__}")
+            raise InvalidGrammarSpec(
+                f"json_schema: a schema must be an object or a boolean, got {type(schema).__name__}"
+            )
         source = json.dumps(schema, ensure_ascii=False)
         error = _schema_error(source)
         if error is not None:

@@ -11,7 +11,8 @@ a keyword nobody measured is refused, so the approximation is never silent.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jsonschema
 
@@ -96,7 +97,9 @@ def _values_fit_siblings(schema: dict, keyword: str) -> bool:
     assertions (formats included). Then a backend that emits any listed value and ignores the
     rest is exact. Siblings that cannot be checked locally (`$ref`...) count as not fitting."""
     values = schema["enum"] if keyword == "enum" else [schema["const"]]
-    siblings = {k: v for k, v in schema.items() if k in ASSERTIONS and k != keyword and not (keyword == "const" and k == "enum")}
+    siblings = {
+        k: v for k, v in schema.items() if k in ASSERTIONS and k != keyword and not (keyword == "const" and k == "enum")
+    }
     if not siblings or not isinstance(values, list):
         return True
     validator = jsonschema.Draft202012Validator(siblings, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
@@ -149,8 +152,9 @@ def unhonoured(spec: GrammarSpec, backend: str) -> list[str]:
     """
     if spec.kind != "json_schema":
         return []
-    honoured = (HONOURED.get(backend, frozenset()) | HONOURED_BEYOND_SUITE.get(backend, frozenset())) - \
-        IGNORED_BEYOND_SUITE.get(backend, frozenset())
+    honoured = (
+        HONOURED.get(backend, frozenset()) | HONOURED_BEYOND_SUITE.get(backend, frozenset())
+    ) - IGNORED_BEYOND_SUITE.get(backend, frozenset())
     return [f"{pointer or '/'}: {label}" for pointer, label in schema_assertions(spec.schema) if label not in honoured]
 
 

@@ -1,9 +1,9 @@
-"""`accept` as fused Triton kernels: same contract as `tandem.decoding.accept` (the rules are
-stated once, in tandem/decoding/acceptance.py; this module only says how it computes them).
+"""`accept` as fused Triton kernels: the rules are stated once, in tandem/decoding/acceptance.py,
+whose `accept` dispatches here for CUDA tensors; this module only says how it computes them.
 
 Every pass over V is split into chunks of BLOCK tokens, one program each, so a call fills the GPU
-at batch 1 as well as at 256 (one program per row walking V serially is latency-bound: 170 us
-for a single greedy row on an H100). A call launches, in order:
+at batch 1 as well as at 256 (one program per row walking V serially is latency-bound: a single
+row would leave most of the GPU idle). A call launches, in order:
 
 1. `_chunk_stats_kernel`, grid (chunks, k+1, rows): every position of every row, before any
    acceptance is known, in one pass over its chunk that fuses the bitmask unpack, temperature,
@@ -22,8 +22,9 @@ Rows with min-p need a position's max before its sum: `_chunk_max_kernel` runs f
 
 What the kernels compute themselves: masks, dead ends, greedy, temperature, min-p, draft
 probabilities, relaxed acceptance, padding.
-Stochastic rows with top-k or top-p go through the torch path (`tandem.decoding.accept`)
-transparently, row by row, so every row still depends only on its own inputs and seed.
+Stochastic rows with top-k or top-p are left to the torch path: the caller (`tandem.decoding.accept`)
+passes the other rows as `rows` and computes those itself, so every row still depends only on its
+own inputs and seed.
 
 Randomness: the torch path's counter-based hash (tandem/kernels/rng.py), so draws depend only on
 the row's seed, never on the batch. The test of draft j uses exactly the torch path's uniform
@@ -42,9 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.decoding import AcceptanceResult, RelaxedAcceptance, SamplingTensors, accept
-from tandem.decoding.acceptance import check_accept_inputs
-from tandem.decoding.rng import STREAM_ACCEPT, STREAM_EMIT
+from tandem.core.rng import STREAM_ACCEPT, STREAM_EMIT
 from tandem.kernels.bitmask import allowed_tokens
 from tandem.kernels.rng import exponential, stream_state, uniform
 
@@ -55,8 +54,9 @@ MAX_BLOCK = 4096  # vocabulary tokens per program (tests lower it to exercise ma
 
 
 @triton.jit
-def _chunk_logits(logit_row, mask_row, chunk, vocab_size, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
-                  ROW: tl.constexpr):
+def _chunk_logits(
+    logit_row, mask_row, chunk, vocab_size, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr
+):
     """(ids, x): a chunk's token ids and float32 logits, forbidden (and out-of-vocabulary) tokens at
     -inf, as [BLOCK / ROW, ROW] tiles. ROW divides 32, so each tile row lies in one bitmask word,
     loaded once for the row instead of once per token."""
@@ -93,8 +93,9 @@ def _row_settings(temperature_ptr, min_p_ptr, seed_ptr, row, STOCHASTIC: tl.cons
 
 
 @triton.jit
-def _draft_at(drafts_ptr, drafts_stride_b, logit_row, mask_row, row, pos, num_drafts, vocab_size,
-              HAS_MASK: tl.constexpr):
+def _draft_at(
+    drafts_ptr, drafts_stride_b, logit_row, mask_row, row, pos, num_drafts, vocab_size, HAS_MASK: tl.constexpr
+):
     """(draft id or -1 past the drafts, is a real token, is a real token the mask allows, its logit:
     -inf if not allowed); `pos` and the row pointers may be vectors of positions."""
     draft = tl.load(drafts_ptr + row * drafts_stride_b + pos, mask=pos < num_drafts, other=-1)
@@ -118,26 +119,69 @@ def _threshold(top, temperature, min_p, stochastic, HAS_MIN_P: tl.constexpr):
 
 
 @triton.jit
-def _chunk_max_kernel(logits_ptr, logits_stride_b, logits_stride_j, mask_ptr, mask_stride_b, mask_stride_j,
-                      row_ids_ptr, max_ptr, num_chunks, vocab_size,
-                      HAS_MASK: tl.constexpr, INDEXED: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr):
+def _chunk_max_kernel(
+    logits_ptr,
+    logits_stride_b,
+    logits_stride_j,
+    mask_ptr,
+    mask_stride_b,
+    mask_stride_j,
+    row_ids_ptr,
+    max_ptr,
+    num_chunks,
+    vocab_size,
+    HAS_MASK: tl.constexpr,
+    INDEXED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROW: tl.constexpr,
+):
     """max_ptr[r, pos, chunk] = max of the chunk's masked logits (min-p needs the max before the sum)."""
     chunk, pos, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = _row_index(row_ids_ptr, r, INDEXED)
-    _, x = _chunk_logits(logits_ptr + row * logits_stride_b + pos * logits_stride_j,
-                         mask_ptr + row * mask_stride_b + pos * mask_stride_j, chunk, vocab_size, HAS_MASK, BLOCK, ROW)
+    _, x = _chunk_logits(
+        logits_ptr + row * logits_stride_b + pos * logits_stride_j,
+        mask_ptr + row * mask_stride_b + pos * mask_stride_j,
+        chunk,
+        vocab_size,
+        HAS_MASK,
+        BLOCK,
+        ROW,
+    )
     slot = (r.to(tl.int64) * tl.num_programs(1) + pos) * num_chunks + chunk
     tl.store(max_ptr + slot, tl.max(x))
 
 
 @triton.jit
 def _chunk_stats_kernel(
-    logits_ptr, logits_stride_b, logits_stride_j, mask_ptr, mask_stride_b, mask_stride_j,
-    drafts_ptr, drafts_stride_b, temperature_ptr, min_p_ptr, seed_ptr, row_ids_ptr,
-    max_ptr, top_ptr, argmax_ptr, sum_t_ptr, sum_raw_ptr, ahead_ptr,
-    num_drafts, num_chunks, vocab_size,
-    HAS_MASK: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_MIN_P: tl.constexpr, RELAXED: tl.constexpr,
-    INDEXED: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr, CHUNKS_BLOCK: tl.constexpr,
+    logits_ptr,
+    logits_stride_b,
+    logits_stride_j,
+    mask_ptr,
+    mask_stride_b,
+    mask_stride_j,
+    drafts_ptr,
+    drafts_stride_b,
+    temperature_ptr,
+    min_p_ptr,
+    seed_ptr,
+    row_ids_ptr,
+    max_ptr,
+    top_ptr,
+    argmax_ptr,
+    sum_t_ptr,
+    sum_raw_ptr,
+    ahead_ptr,
+    num_drafts,
+    num_chunks,
+    vocab_size,
+    HAS_MASK: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    RELAXED: tl.constexpr,
+    INDEXED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNKS_BLOCK: tl.constexpr,
 ):
     """Statistics of one chunk of one position's masked logits x, at [r, pos, chunk] of each output:
     top (max x), argmax (lowest id among ties), sum_t = sum of exp((x - top) / T) over x >= the
@@ -163,16 +207,30 @@ def _chunk_stats_kernel(
         kept = tl.where(x >= threshold, tl.exp((x - shift) / temperature), 0.0)
         tl.store(sum_t_ptr + slot, tl.sum(kept))
     if RELAXED:
-        draft, _, _, draft_logit = _draft_at(drafts_ptr, drafts_stride_b, logit_row, mask_row, row, pos, num_drafts,
-                                          vocab_size, HAS_MASK)
+        draft, _, _, draft_logit = _draft_at(
+            drafts_ptr, drafts_stride_b, logit_row, mask_row, row, pos, num_drafts, vocab_size, HAS_MASK
+        )
         before = (x > draft_logit) | ((x == draft_logit) & (ids < draft))
         tl.store(sum_raw_ptr + slot, tl.sum(tl.exp(x - shift)))
         tl.store(ahead_ptr + slot, tl.sum(before.to(tl.int32)))
 
 
 @triton.jit
-def _combine_chunks(top_ptr, argmax_ptr, sum_t_ptr, sum_raw_ptr, ahead_ptr, bases, live, num_chunks, vocab_size,
-                    temperature, STOCHASTIC: tl.constexpr, RELAXED: tl.constexpr, CHUNKS_BLOCK: tl.constexpr):
+def _combine_chunks(
+    top_ptr,
+    argmax_ptr,
+    sum_t_ptr,
+    sum_raw_ptr,
+    ahead_ptr,
+    bases,
+    live,
+    num_chunks,
+    vocab_size,
+    temperature,
+    STOCHASTIC: tl.constexpr,
+    RELAXED: tl.constexpr,
+    CHUNKS_BLOCK: tl.constexpr,
+):
     """Positions' statistics over all of V from their chunks', the chunks of position i at
     [bases[i], bases[i] + num_chunks) (positions where `live` is False read nothing):
     [N] vectors (top, argmax, sum_t, sum_raw, ahead) as `_chunk_stats_kernel` defines them."""
@@ -201,14 +259,44 @@ def _combine_chunks(top_ptr, argmax_ptr, sum_t_ptr, sum_raw_ptr, ahead_ptr, base
 
 @triton.jit
 def _walk_kernel(
-    logits_ptr, logits_stride_b, logits_stride_j, mask_ptr, mask_stride_b, mask_stride_j,
-    drafts_ptr, drafts_stride_b, q_ptr, q_stride_b, q_stride_j, thinking_ptr, thinking_stride_b,
-    temperature_ptr, min_p_ptr, seed_ptr, row_ids_ptr,
-    top_ptr, argmax_ptr, sum_t_ptr, sum_raw_ptr, ahead_ptr,
-    tokens_ptr, num_accepted_ptr, dead_end_ptr,
-    num_drafts, num_chunks, vocab_size, relaxed_top_k, relaxed_delta,
-    HAS_MASK: tl.constexpr, HAS_Q: tl.constexpr, STOCHASTIC: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    RELAXED: tl.constexpr, INDEXED: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, POSITIONS_BLOCK: tl.constexpr,
+    logits_ptr,
+    logits_stride_b,
+    logits_stride_j,
+    mask_ptr,
+    mask_stride_b,
+    mask_stride_j,
+    drafts_ptr,
+    drafts_stride_b,
+    q_ptr,
+    q_stride_b,
+    q_stride_j,
+    thinking_ptr,
+    thinking_stride_b,
+    temperature_ptr,
+    min_p_ptr,
+    seed_ptr,
+    row_ids_ptr,
+    top_ptr,
+    argmax_ptr,
+    sum_t_ptr,
+    sum_raw_ptr,
+    ahead_ptr,
+    tokens_ptr,
+    num_accepted_ptr,
+    dead_end_ptr,
+    num_drafts,
+    num_chunks,
+    vocab_size,
+    relaxed_top_k,
+    relaxed_delta,
+    HAS_MASK: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    RELAXED: tl.constexpr,
+    INDEXED: tl.constexpr,
+    CHUNKS_BLOCK: tl.constexpr,
+    POSITIONS_BLOCK: tl.constexpr,
 ):
     """One row: decide every position's draft at once (each decision reads only its own
     position), stop at the first rejection (the bonus position always stops) and write the row's
@@ -219,12 +307,31 @@ def _walk_kernel(
     positions = tl.arange(0, POSITIONS_BLOCK)
     live = positions <= num_drafts
     draft, draft_ok, draft_allowed, draft_logit = _draft_at(
-        drafts_ptr, drafts_stride_b, logits_ptr + row * logits_stride_b + positions * logits_stride_j,
-        mask_ptr + row * mask_stride_b + positions * mask_stride_j, row, positions, num_drafts, vocab_size, HAS_MASK)
+        drafts_ptr,
+        drafts_stride_b,
+        logits_ptr + row * logits_stride_b + positions * logits_stride_j,
+        mask_ptr + row * mask_stride_b + positions * mask_stride_j,
+        row,
+        positions,
+        num_drafts,
+        vocab_size,
+        HAS_MASK,
+    )
     top, argmax, sum_t, sum_raw, ahead = _combine_chunks(
-        top_ptr, argmax_ptr, sum_t_ptr, sum_raw_ptr, ahead_ptr,
-        (r.to(tl.int64) * (num_drafts + 1) + positions) * num_chunks, live, num_chunks, vocab_size, temperature,
-        STOCHASTIC, RELAXED, CHUNKS_BLOCK)
+        top_ptr,
+        argmax_ptr,
+        sum_t_ptr,
+        sum_raw_ptr,
+        ahead_ptr,
+        (r.to(tl.int64) * (num_drafts + 1) + positions) * num_chunks,
+        live,
+        num_chunks,
+        vocab_size,
+        temperature,
+        STOCHASTIC,
+        RELAXED,
+        CHUNKS_BLOCK,
+    )
     eligible = draft_allowed & (top > float("-inf"))
     safe_top = tl.where(eligible, top, 0.0)  # a dead end's top is -inf; its draft is rejected anyway
     accepted = draft == argmax
@@ -256,14 +363,41 @@ def _walk_kernel(
 
 @triton.jit
 def _race_kernel(
-    logits_ptr, logits_stride_b, logits_stride_j, mask_ptr, mask_stride_b, mask_stride_j,
-    drafts_ptr, drafts_stride_b, q_ptr, q_stride_b, q_stride_j,
-    temperature_ptr, min_p_ptr, seed_ptr, row_ids_ptr,
-    top_ptr, argmax_ptr, sum_t_ptr, num_accepted_ptr, dead_end_ptr,
-    w_key_ptr, w_id_ptr, p_key_ptr, p_id_ptr,
-    num_drafts, num_chunks, vocab_size,
-    HAS_MASK: tl.constexpr, HAS_Q: tl.constexpr, HAS_MIN_P: tl.constexpr, INDEXED: tl.constexpr,
-    BLOCK: tl.constexpr, ROW: tl.constexpr, CHUNKS_BLOCK: tl.constexpr, FAST_LOG: tl.constexpr,
+    logits_ptr,
+    logits_stride_b,
+    logits_stride_j,
+    mask_ptr,
+    mask_stride_b,
+    mask_stride_j,
+    drafts_ptr,
+    drafts_stride_b,
+    q_ptr,
+    q_stride_b,
+    q_stride_j,
+    temperature_ptr,
+    min_p_ptr,
+    seed_ptr,
+    row_ids_ptr,
+    top_ptr,
+    argmax_ptr,
+    sum_t_ptr,
+    num_accepted_ptr,
+    dead_end_ptr,
+    w_key_ptr,
+    w_id_ptr,
+    p_key_ptr,
+    p_id_ptr,
+    num_drafts,
+    num_chunks,
+    vocab_size,
+    HAS_MASK: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    INDEXED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNKS_BLOCK: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
     """One chunk of a stochastic row's exponential race at the position where its walk stopped:
     the best key and its id (lowest among ties) for the residual w = max(p - q, 0), where q = the
@@ -277,12 +411,25 @@ def _race_kernel(
         pos = tl.load(num_accepted_ptr + row)
         logit_row = logits_ptr + row * logits_stride_b + pos * logits_stride_j
         mask_row = mask_ptr + row * mask_stride_b + pos * mask_stride_j
-        draft, draft_ok, _, _ = _draft_at(drafts_ptr, drafts_stride_b, logit_row, mask_row, row, pos, num_drafts,
-                                       vocab_size, HAS_MASK)
+        draft, draft_ok, _, _ = _draft_at(
+            drafts_ptr, drafts_stride_b, logit_row, mask_row, row, pos, num_drafts, vocab_size, HAS_MASK
+        )
         one = tl.zeros([1], dtype=tl.int64)
-        top, _, sum_t, _, _ = _combine_chunks(top_ptr, argmax_ptr, sum_t_ptr, sum_t_ptr, argmax_ptr,
-                                              one + (r.to(tl.int64) * (num_drafts + 1) + pos) * num_chunks, one == 0,
-                                              num_chunks, vocab_size, temperature, True, False, CHUNKS_BLOCK)
+        top, _, sum_t, _, _ = _combine_chunks(
+            top_ptr,
+            argmax_ptr,
+            sum_t_ptr,
+            sum_t_ptr,
+            argmax_ptr,
+            one + (r.to(tl.int64) * (num_drafts + 1) + pos) * num_chunks,
+            one == 0,
+            num_chunks,
+            vocab_size,
+            temperature,
+            True,
+            False,
+            CHUNKS_BLOCK,
+        )
         top, sum_t = tl.max(top, 0), tl.sum(sum_t, 0)
         threshold = _threshold(top, temperature, min_p, stochastic, HAS_MIN_P)
         rejected_draft = (pos < num_drafts) & draft_ok
@@ -296,8 +443,11 @@ def _race_kernel(
         p = tl.exp((x - top) / temperature)  # sum_t * the target probability
         p_key = tl.where(support, p / race, float("-inf"))
         if HAS_Q:
-            q = tl.load(q_ptr + row * q_stride_b + pos * q_stride_j + ids,
-                        mask=ids < tl.where(rejected_draft, vocab_size, 0), other=0.0).to(tl.float32)
+            q = tl.load(
+                q_ptr + row * q_stride_b + pos * q_stride_j + ids,
+                mask=ids < tl.where(rejected_draft, vocab_size, 0),
+                other=0.0,
+            ).to(tl.float32)
             w = p / sum_t - q
             w_key = tl.where(support & (w > 0), w / race, float("-inf"))
         else:
@@ -324,9 +474,22 @@ def _race_winner(key_ptr, id_ptr, base, num_chunks, vocab_size, CHUNKS_BLOCK: tl
 
 
 @triton.jit
-def _race_finish_kernel(temperature_ptr, row_ids_ptr, num_accepted_ptr, dead_end_ptr,
-                        w_key_ptr, w_id_ptr, p_key_ptr, p_id_ptr, tokens_ptr,
-                        num_drafts, num_chunks, vocab_size, INDEXED: tl.constexpr, CHUNKS_BLOCK: tl.constexpr):
+def _race_finish_kernel(
+    temperature_ptr,
+    row_ids_ptr,
+    num_accepted_ptr,
+    dead_end_ptr,
+    w_key_ptr,
+    w_id_ptr,
+    p_key_ptr,
+    p_id_ptr,
+    tokens_ptr,
+    num_drafts,
+    num_chunks,
+    vocab_size,
+    INDEXED: tl.constexpr,
+    CHUNKS_BLOCK: tl.constexpr,
+):
     """A stochastic row's emitted token: the race winner over its chunks (w's, or p's where w is all zero)."""
     r = tl.program_id(0)
     row = _row_index(row_ids_ptr, r, INDEXED)
@@ -343,115 +506,173 @@ def accept_triton(
     draft_tokens: torch.Tensor,
     *,
     draft_probs: torch.Tensor | None = None,
-    sampling: SamplingTensors | None = None,
     bitmask: torch.Tensor | None = None,
     in_thinking: torch.Tensor | None = None,
-    relaxed: RelaxedAcceptance | None = None,
-) -> AcceptanceResult:
-    """`tandem.decoding.accept` with the fused kernels (module docstring); same arguments and result.
+    temperature: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+    relaxed_top_k: int = 0,
+    relaxed_delta: float = 0.0,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The acceptance of `tandem.decoding.accept` for `rows` of the batch (module docstring).
 
-    target_logits: [B, k+1, V] float32/bfloat16/float16, last dim contiguous
+    target_logits: [B, k+1, V] float32/bfloat16/float16, V >= 1
     draft_tokens:  [B, k] int64
-    draft_probs:   [B, k, V] float or None
-    sampling:      [B] settings or None (all greedy)
+    draft_probs:   [B, k, V] float or None (deterministic drafts)
     bitmask:       [B, k+1, ceil(V/32)] int32 or None
-    in_thinking:   [B, k+1] bool or None
-    relaxed:       RelaxedAcceptance or None
-    Does not modify its inputs. Stochastic rows with top-k/top-p are computed by the torch path.
+    in_thinking:   [B, k+1] bool where the relaxed rule applies, or None (relaxed acceptance off)
+    temperature, seed: [B] float32 / int64, or None when every row is greedy
+    min_p:         [B] float32, or None when no row has min-p
+    relaxed_top_k, relaxed_delta: the relaxed rule's parameters (with `in_thinking`)
+    rows:          [R] int64 row ids to compute, or None = every row; none may use top-k/top-p
+    Returns (tokens [B, k+1] int64, num_accepted [B] int64, dead_end [B] bool), written for
+    `rows` only. Inputs are checked by the caller and not modified.
     """
-    check_accept_inputs(target_logits, draft_tokens, draft_probs, sampling, bitmask, in_thinking, relaxed)
     batch, num_positions, vocab_size = target_logits.shape
-    if vocab_size == 0:
-        raise ValueError(f"target_logits must have a vocabulary of at least 1 token, got shape {list(target_logits.shape)}")
     device = target_logits.device
     tokens = torch.empty(batch, num_positions, dtype=torch.int64, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     dead_end = torch.empty(batch, dtype=torch.int8, device=device)
-    stochastic = sampling is not None and not sampling.all_greedy
-    fallback = None
-    if stochastic and sampling.any_top_k_top_p:
-        fallback = ((sampling.top_k > 0) | (sampling.top_p < 1)) & (sampling.temperature > 0)
-    kernel_rows = None if fallback is None else (~fallback).nonzero().squeeze(-1)
-    num_kernel_rows = batch if kernel_rows is None else kernel_rows.numel()
+    stochastic = temperature is not None
+    num_kernel_rows = batch if rows is None else rows.numel()
 
     if num_kernel_rows:
         logits = _vocab_contiguous(target_logits)
         mask = None if bitmask is None else _vocab_contiguous(bitmask)
         q = None if draft_probs is None else _vocab_contiguous(draft_probs)
         drafts = draft_tokens.contiguous()
-        thinking = None if relaxed is None or in_thinking is None else in_thinking.contiguous().view(torch.uint8)
+        thinking = None if in_thinking is None else in_thinking.contiguous().view(torch.uint8)
         dummy = logits  # stands in for absent optional tensors; never read (constexpr flags)
-        temperature, min_p, seed = (sampling.temperature, sampling.min_p, sampling.seed) if stochastic else (dummy,) * 3
+        has_min_p = min_p is not None
+        # Without min-p the kernels load a row's min_p but never use it: any [B] float32 will do.
+        temperature, min_p, seed = _or(temperature, dummy), _or(min_p, _or(temperature, dummy)), _or(seed, dummy)
         block = min(MAX_BLOCK, triton.next_power_of_2(vocab_size))
         num_chunks = triton.cdiv(vocab_size, block)
-        has_min_p = stochastic and sampling.any_min_p
         # Per (row, position, chunk): max (min-p only), top, sum_t, sum_raw; argmax, ahead.
         stats = torch.empty(4, num_kernel_rows, num_positions, num_chunks, dtype=torch.float32, device=device)
         stat_ids = torch.empty(2, num_kernel_rows, num_positions, num_chunks, dtype=torch.int32, device=device)
         inputs = (logits, logits.stride(0), logits.stride(1), _or(mask, dummy), *_strides(mask, 2))
-        row_ids = _or(kernel_rows, dummy)
-        flags = dict(HAS_MASK=mask is not None, INDEXED=kernel_rows is not None)
+        row_ids = _or(rows, dummy)
+        flags = dict(HAS_MASK=mask is not None, INDEXED=rows is not None)
         chunks_block = triton.next_power_of_2(num_chunks)
         grid = (num_chunks, num_positions, num_kernel_rows)
         warps = 8 if block >= 2048 else 4
         tiles = dict(BLOCK=block, ROW=min(32, block))
         if has_min_p:
-            _chunk_max_kernel[grid](*inputs, row_ids, stats[0], num_chunks, vocab_size, **flags, **tiles,
-                                    num_warps=warps)
+            _chunk_max_kernel[grid](
+                *inputs, row_ids, stats[0], num_chunks, vocab_size, **flags, **tiles, num_warps=warps
+            )
         _chunk_stats_kernel[grid](
-            *inputs, drafts, drafts.stride(0), temperature, min_p, seed, row_ids,
-            stats[0], stats[1], stat_ids[0], stats[2], stats[3], stat_ids[1],
-            num_positions - 1, num_chunks, vocab_size,
-            **flags, STOCHASTIC=stochastic, HAS_MIN_P=has_min_p, RELAXED=thinking is not None, **tiles,
-            CHUNKS_BLOCK=chunks_block, num_warps=warps)
+            *inputs,
+            drafts,
+            drafts.stride(0),
+            temperature,
+            min_p,
+            seed,
+            row_ids,
+            stats[0],
+            stats[1],
+            stat_ids[0],
+            stats[2],
+            stats[3],
+            stat_ids[1],
+            num_positions - 1,
+            num_chunks,
+            vocab_size,
+            **flags,
+            STOCHASTIC=stochastic,
+            HAS_MIN_P=has_min_p,
+            RELAXED=thinking is not None,
+            **tiles,
+            CHUNKS_BLOCK=chunks_block,
+            num_warps=warps,
+        )
         _walk_kernel[(num_kernel_rows,)](
-            *inputs, drafts, drafts.stride(0), _or(q, dummy), *_strides(q, 2),
-            _or(thinking, dummy), *_strides(thinking, 1),
-            temperature, min_p, seed, row_ids, stats[1], stat_ids[0], stats[2], stats[3], stat_ids[1],
-            tokens, num_accepted, dead_end,
-            num_positions - 1, num_chunks, vocab_size,
-            relaxed.top_k if relaxed is not None else 0, float(relaxed.delta) if relaxed is not None else 0.0,
-            **flags, HAS_Q=q is not None, STOCHASTIC=stochastic, HAS_MIN_P=has_min_p, RELAXED=thinking is not None,
-            CHUNKS_BLOCK=chunks_block, POSITIONS_BLOCK=triton.next_power_of_2(num_positions), num_warps=1)
+            *inputs,
+            drafts,
+            drafts.stride(0),
+            _or(q, dummy),
+            *_strides(q, 2),
+            _or(thinking, dummy),
+            *_strides(thinking, 1),
+            temperature,
+            min_p,
+            seed,
+            row_ids,
+            stats[1],
+            stat_ids[0],
+            stats[2],
+            stats[3],
+            stat_ids[1],
+            tokens,
+            num_accepted,
+            dead_end,
+            num_positions - 1,
+            num_chunks,
+            vocab_size,
+            relaxed_top_k,
+            float(relaxed_delta),
+            **flags,
+            HAS_Q=q is not None,
+            STOCHASTIC=stochastic,
+            HAS_MIN_P=has_min_p,
+            RELAXED=thinking is not None,
+            CHUNKS_BLOCK=chunks_block,
+            POSITIONS_BLOCK=triton.next_power_of_2(num_positions),
+            num_warps=1,
+        )
         if stochastic:  # per (row, chunk): the race's best keys and their ids, for w and for p
             race = torch.empty(2, num_kernel_rows, num_chunks, dtype=torch.float32, device=device)
             race_ids = torch.empty(2, num_kernel_rows, num_chunks, dtype=torch.int32, device=device)
             _race_kernel[(num_chunks, num_kernel_rows)](
-                *inputs, drafts, drafts.stride(0), _or(q, dummy), *_strides(q, 2), temperature, min_p, seed, row_ids,
-                stats[1], stat_ids[0], stats[2], num_accepted, dead_end, race[0], race_ids[0], race[1], race_ids[1],
-                num_positions - 1, num_chunks, vocab_size,
-                **flags, HAS_Q=q is not None, HAS_MIN_P=has_min_p, **tiles, CHUNKS_BLOCK=chunks_block,
-                FAST_LOG=logits.is_cuda, num_warps=warps)
+                *inputs,
+                drafts,
+                drafts.stride(0),
+                _or(q, dummy),
+                *_strides(q, 2),
+                temperature,
+                min_p,
+                seed,
+                row_ids,
+                stats[1],
+                stat_ids[0],
+                stats[2],
+                num_accepted,
+                dead_end,
+                race[0],
+                race_ids[0],
+                race[1],
+                race_ids[1],
+                num_positions - 1,
+                num_chunks,
+                vocab_size,
+                **flags,
+                HAS_Q=q is not None,
+                HAS_MIN_P=has_min_p,
+                **tiles,
+                CHUNKS_BLOCK=chunks_block,
+                FAST_LOG=logits.is_cuda,
+                num_warps=warps,
+            )
             _race_finish_kernel[(num_kernel_rows,)](
-                temperature, row_ids, num_accepted, dead_end, race[0], race_ids[0], race[1], race_ids[1], tokens,
-                num_positions - 1, num_chunks, vocab_size, INDEXED=kernel_rows is not None,
-                CHUNKS_BLOCK=chunks_block, num_warps=1)
-    result = AcceptanceResult(num_accepted=num_accepted, tokens=tokens, dead_end=dead_end.view(torch.bool))
-    if fallback is not None and num_kernel_rows < batch:
-        _merge_torch_rows(result, fallback.nonzero().squeeze(-1), target_logits, draft_tokens,
-                          draft_probs, sampling, bitmask, in_thinking, relaxed)
-    return result
-
-
-def _merge_torch_rows(
-    result: AcceptanceResult,
-    rows: torch.Tensor,
-    target_logits: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    sampling: SamplingTensors,
-    bitmask: torch.Tensor | None,
-    in_thinking: torch.Tensor | None,
-    relaxed: RelaxedAcceptance | None,
-) -> None:
-    """Compute `rows` ([R] int64 row ids) with the torch path and write them into `result` (in place)."""
-    pick = lambda value: None if value is None else value[rows]  # noqa: E731
-    subset = SamplingTensors(*(getattr(sampling, name)[rows] for name in ("temperature", "top_k", "top_p", "min_p", "seed")))
-    torch_result = accept(target_logits[rows], draft_tokens[rows], draft_probs=pick(draft_probs), sampling=subset,
-                          bitmask=pick(bitmask), in_thinking=pick(in_thinking), relaxed=relaxed, backend="torch")
-    result.num_accepted[rows] = torch_result.num_accepted
-    result.tokens[rows] = torch_result.tokens
-    result.dead_end[rows] = torch_result.dead_end
+                temperature,
+                row_ids,
+                num_accepted,
+                dead_end,
+                race[0],
+                race_ids[0],
+                race[1],
+                race_ids[1],
+                tokens,
+                num_positions - 1,
+                num_chunks,
+                vocab_size,
+                INDEXED=rows is not None,
+                CHUNKS_BLOCK=chunks_block,
+                num_warps=1,
+            )
+    return tokens, num_accepted, dead_end.view(torch.bool)
 
 
 def _vocab_contiguous(value: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Grammar bitmask unpack + apply as a Triton kernel (layout: tandem/decoding/bitmask.py).
+"""Grammar bitmask unpack + apply as a Triton kernel (layout: tandem/core/bitmask.py).
 
 `allowed_tokens` is the unpack step, shared with the acceptance kernels for their draft tokens
 (their passes over V unpack a word per tile row instead, and never write masked logits back).
@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.decoding.bitmask import bitmask_width
-from tandem.decoding.checks import FLOAT_DTYPES, check_tensor
+from tandem.core.bitmask import bitmask_width
+from tandem.core.checks import FLOAT_DTYPES, check_tensor
 
 MAX_BLOCK = 4096  # tokens per program
 
@@ -47,8 +47,10 @@ def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     try:
         rows = logits.view(-1, vocab_size)
     except RuntimeError as error:
-        raise ValueError(f"logits of shape {list(logits.shape)} and strides {logits.stride()} cannot be "
-                         "viewed as [N, V] rows; pass a contiguous tensor") from error
+        raise ValueError(
+            f"logits of shape {list(logits.shape)} and strides {logits.stride()} cannot be "
+            "viewed as [N, V] rows; pass a contiguous tensor"
+        ) from error
     if rows.shape[0] and rows.stride(-1) != 1:
         raise ValueError(f"logits must be contiguous in the vocabulary dimension, got stride {rows.stride(-1)}")
     words = bitmask.reshape(-1, bitmask.shape[-1])

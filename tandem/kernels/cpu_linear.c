@@ -5,10 +5,10 @@
    bias [N] float32 or NULL, out [M, N] float32; x, bias and out contiguous.
 
    A decode or verify step multiplies a few rows by every weight once. Widening the weights to
-   float32 and calling sgemm writes and re-reads them, and sgemm's small-M path runs 2-3x its
-   GEMV (Llama demo's gate_up, M = 5: 84 us; this: 25 us). Here each weight row of 16 outputs is
-   widened in registers (a bfloat16 is the top half of a float32) and multiplied into the
-   accumulators of up to MAX_BLOCK_ROWS rows at once, so it is read once per block.
+   float32 and calling sgemm writes and re-reads them, and sgemm's small-M path is slower than a
+   GEMV. Here each weight row of 16 outputs is widened in registers (a bfloat16 is the top half of
+   a float32) and multiplied into the accumulators of up to MAX_BLOCK_ROWS rows at once, so it is
+   read once per block.
 
    Every out[m, n] is one fused multiply-add chain over k in order, whatever M is and however
    the rows are blocked: a row's result does not depend on the batch it is in. */

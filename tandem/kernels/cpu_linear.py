@@ -2,7 +2,7 @@
 
 Decode, verify and draft steps multiply a few rows by every weight of the model once. For them
 the kernel reads each bfloat16 weight once and widens it in registers, where widening to float32
-and calling sgemm wrote and re-read it, and ran sgemm's small-M path at 2-3x its GEMV. Each
+and calling sgemm wrote and re-read it, and ran sgemm's small-M path, slower than a GEMV. Each
 output is one multiply-add chain over the inputs in order, the same whatever the number of rows,
 so a row's result does not depend on the other rows of its batch.
 
@@ -20,7 +20,7 @@ try:
 except ImportError:  # built without a C compiler
     _cpu_linear = None
 
-MAX_ROWS = 64  # batch 8 verifying k = 4 is 40 rows; up to 64 the kernel still beats widening + sgemm (1.2x)
+MAX_ROWS = 64  # batch 8 verifying k = 4 is 40 rows; up to 64 the kernel still beats widening + sgemm
 _AVAILABLE = _cpu_linear is not None and _cpu_linear.available()
 
 
@@ -32,15 +32,21 @@ def available() -> bool:
 def applies(x: Tensor, weight: Tensor) -> bool:
     """Whether :func:`linear` takes ``x [M, K]`` and ``weight [N, K]``: a CPU float32 ``x`` of at most
     :data:`MAX_ROWS` contiguous rows, and a bfloat16 weight stored transposed (``weight.T``'s rows
-    contiguous, as :func:`tandem.models.layers.narrow_exact_weights` leaves it, or a block of such a
+    contiguous, as :func:`tandem.models.linear.narrow_exact_weights` leaves it, or a block of such a
     weight's rows)."""
     if not (  # called for every linear of a step: cheapest checks first, strides read directly
-        _AVAILABLE and weight.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS and x.is_cpu and x.is_contiguous()
+        _AVAILABLE
+        and weight.dtype == torch.bfloat16
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and x.is_cpu
+        and x.is_contiguous()
     ):
         return False
     column_stride, row_stride = weight.stride()  # row_stride: between the transpose's rows, unread for one input
-    return column_stride == 1 and (row_stride >= weight.shape[0] or weight.shape[1] == 1)
+    # One output reads no second column: its column stride is free (torch leaves any there for size-1 dims).
+    return (column_stride == 1 or weight.shape[0] == 1) and (row_stride >= weight.shape[0] or weight.shape[1] == 1)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -50,13 +56,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     the C code read outside the tensors: the shapes, the weight's and bias's device, the bias's layout.
     """
     (rows, size), outputs = x.shape, weight.shape[0]
-    bias_fits = bias is None or (bias.shape == (outputs,) and bias.dtype == torch.float32 and bias.is_cpu
-                                 and bias.is_contiguous())
+    bias_fits = bias is None or (
+        bias.shape == (outputs,) and bias.dtype == torch.float32 and bias.is_cpu and bias.is_contiguous()
+    )
     if weight.shape[1] != size or not weight.is_cpu or not bias_fits:
-        raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} on {weight.device} and bias "
-                         f"{None if bias is None else (tuple(bias.shape), bias.dtype, str(bias.device), bias.stride())} "
-                         f"do not fit (CPU tensors, a contiguous float32 bias)")
+        raise ValueError(
+            f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)} on {weight.device} and bias "
+            f"{None if bias is None else (tuple(bias.shape), bias.dtype, str(bias.device), bias.stride())} "
+            f"do not fit (CPU tensors, a contiguous float32 bias)"
+        )
     out = x.new_empty(rows, outputs)
-    _cpu_linear.linear(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                       rows, size, outputs, weight.stride(1))
+    _cpu_linear.linear(
+        x.data_ptr(),
+        weight.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        rows,
+        size,
+        outputs,
+        weight.stride(1),
+    )
     return out

@@ -10,25 +10,22 @@ and the target's hidden state at the position *before* each of them: the pair
 ``(h_{p-1}, x_p)`` predicts ``x_{p+1}`` (EAGLE/MTP pairing). Hidden-reading drafts keep that
 pair at cache position ``p``; position 0 has no pair (:attr:`KVCache.first_position` = 1).
 
+Drafts that choose their tokens (EAGLE, EAGLE-3, MTP; ``Draft.follows_constraint``) choose under
+the row's rules: among the tokens its grammar allows (``DraftInput.constraint``,
+:class:`DraftConstraint`), and on logits with its penalties and logit biases applied
+(``DraftInput.adjust``, :class:`LogitAdjuster`), so a penalised row's drafts still match its target.
+
 KV caches are preallocated, ``[num_slots, max_len, ...]`` per layer, plus host-side ``lengths``.
 A forward writes each token's entry at its position in its slot and attends causally by
 position. :meth:`KVCache.truncate` only sets lengths (rollback after rejection, no copy);
 re-running a position overwrites it, so decoding after a truncate equals decoding a fresh
-cache over the same tokens.
+cache over the same tokens. Layouts and cache checks read Python ints on the host
+(``ForwardBatch.spans``, :class:`RowSpans`, and ``KVCache.lengths``), never the device;
+``truncate``/``reset`` take ints.
 
 Aux hidden states (EAGLE-3) use the HF ``hidden_states`` index convention: index ``i`` is the
 input of decoder layer ``i`` (before any final norm); the default capture points are
 ``(2, L // 2, L - 3)`` like the published EAGLE-3 drafts (:func:`default_aux_layer_ids`).
-
-Changes to this contract are listed here:
-
-- ``DraftInput.constraint`` (optional, :class:`DraftConstraint`): drafts that choose their
-  tokens (EAGLE, EAGLE-3, MTP; ``Draft.follows_constraint``) pick each one among the tokens
-  the row's grammar allows.
-- ``DraftInput.adjust`` (optional, :class:`LogitAdjuster`): those drafts choose on logits with the
-  rows' penalties and logit biases applied, so a penalised row's drafts still match its target.
-- ``ForwardBatch.spans`` (:class:`RowSpans`) and host-side ``KVCache.lengths``: layouts and cache
-  checks read Python ints, never the device; ``truncate``/``reset`` take ints.
 """
 
 from __future__ import annotations
@@ -37,12 +34,13 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from tandem.transfer import int64_tensor
+from tandem.core.transfer import int64_tensor
+from tandem.models.config import TargetConfig
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,8 @@ class RowSpans:
 @dataclass
 class ForwardBatch:
     """A ragged batch, no padding: int64 tensors on the model's device, and :class:`RowSpans`, the same
-    rows on the host. Build it with :meth:`build`, :meth:`from_rows` or :meth:`following`, which keep the two in step."""
+    rows on the host. Build it with :meth:`build`, :meth:`from_rows` or :meth:`following`, which keep the two
+    in step."""
 
     input_ids: Tensor  # [T]: every row's new tokens, concatenated
     positions: Tensor  # [T]: absolute position of each token in its sequence
@@ -85,7 +84,7 @@ class ForwardBatch:
         return len(self.input_ids)
 
     @classmethod
-    def build(cls, input_ids: Tensor, spans: RowSpans, *, logits_indices: Tensor | None = None) -> "ForwardBatch":
+    def build(cls, input_ids: Tensor, spans: RowSpans, *, logits_indices: Tensor | None = None) -> ForwardBatch:
         """The batch of ``input_ids [T]`` laid out as ``spans`` (positions, offsets and slots follow on its device)."""
         if not (len(spans.starts) == len(spans.lengths) == len(spans.slots)):
             raise ValueError(f"starts, lengths and slots differ in length: {spans}")
@@ -111,7 +110,7 @@ class ForwardBatch:
         *,
         logits_indices: list[int] | None = None,
         device: torch.device | str | None = None,
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """Build a batch from per-row token lists ``rows[b]`` placed at ``starts[b], starts[b]+1, ...``."""
         if not (len(rows) == len(starts) == len(slots)):
             raise ValueError(f"rows, starts and slots differ in length: {len(rows)}, {len(starts)}, {len(slots)}")
@@ -121,7 +120,7 @@ class ForwardBatch:
             logits_indices=None if logits_indices is None else int64_tensor(logits_indices, device),
         )
 
-    def following(self, input_ids: Tensor) -> "ForwardBatch":
+    def following(self, input_ids: Tensor) -> ForwardBatch:
         """One token per row, ``input_ids [B]``, at the position after each row's last (chained drafting).
 
         Positions are derived on the device, so chaining never waits for the device."""
@@ -175,7 +174,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str | None,
         first_position: int = 0,
-    ) -> "KVCache":
+    ) -> KVCache:
         """Zero-filled caches: ``num_layers`` tensors ``[num_slots, max_len, *entry_shape]``."""
         layers = [torch.zeros(num_slots, max_len, *entry_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         return cls(layers, first_position=first_position)
@@ -236,9 +235,10 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
 
 @runtime_checkable
 class Target(Protocol):
-    """A target model. ``config`` is its HF config dict; ``checkpoint_dir`` is set by ``load_target``."""
+    """A target model. ``config`` is its typed config (:mod:`tandem.models.config`); ``checkpoint_dir`` is set
+    by ``load_target``."""
 
-    config: dict[str, Any]
+    config: TargetConfig
     checkpoint_dir: Path | None
     vocab_size: int
     hidden_size: int

@@ -15,52 +15,32 @@ softmax scale is ``(nope + rope) ** -0.5``, times YaRN's ``mscale_all_dim`` corr
 
 Decoder layers ``< first_k_dense_replace`` use a dense SwiGLU MLP, the others the routed
 MoE of :mod:`tandem.models.moe`. Key names are the published ones (``model.layers.{i}.self_attn.
-kv_a_proj_with_mqa.weight``, ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``, ...).
+kv_a_proj_with_mqa.weight``, ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``, ...). The
+settings are a :class:`~tandem.models.config.DeepseekV3Config`.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tandem.models.attention import RaggedLayout
 from tandem.models.base import ForwardBatch, KVCache, Target, TargetOutput, default_aux_layer_ids
-from tandem.models.layers import GatedMLP, Layer, Linear, MergedLinear, RMSNorm, linear
-from tandem.models.llama3 import RaggedLayout
+from tandem.models.config import DeepseekV3Config
+from tandem.models.layers import Layer
+from tandem.models.linear import Linear, MergedLinear, linear
 from tandem.models.loading import TakeFn, WeightReader, load_module, load_param
+from tandem.models.mlp import GatedMLP
 from tandem.models.moe import DeepseekMoE
-from tandem.models.rope import Rope, RotaryEmbedding, apply_interleaved_rotary
-
-REQUIRED_KEYS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings",
-)  # fmt: skip
-
-
-def check_config(config: dict[str, Any]) -> None:
-    """Raise ``ValueError`` naming the first missing or unsupported DeepSeek-V3 config entry."""
-    missing = [key for key in REQUIRED_KEYS if config.get(key) is None]
-    if missing:
-        raise ValueError(f"DeepSeek-V3 config.json lacks {missing}")
-    unsupported = {
-        "hidden_act": (config.get("hidden_act", "silu"), ("silu",)),
-        "scoring_func": (config.get("scoring_func", "sigmoid"), ("sigmoid",)),
-        "topk_method": (config.get("topk_method", "noaux_tc"), ("noaux_tc",)),
-        "rope_interleave": (config.get("rope_interleave", True), (True,)),
-    }
-    for key, (value, allowed) in unsupported.items():
-        if value not in allowed:
-            raise ValueError(f"DeepSeek-V3 config {key}={value!r} is not supported (expected one of {allowed})")
-    if config.get("quantization_config"):
-        raise ValueError("quantized (e.g. FP8) DeepSeek-V3 checkpoints are not supported: dequantize to bf16 first")
+from tandem.models.norm import RMSNorm
+from tandem.models.rope import RotaryEmbedding, Rotation
 
 
 def softmax_attention(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, *, scale: float) -> Tensor:
     """``scaled_dot_product_attention``'s arithmetic in four ops: ``query [..., Q, D]``, ``keys [..., L, D]``,
     ``values [..., L, Dv]``, additive ``mask [..., Q, L]`` -> ``[..., Q, Dv]``. On the CPU, sdpa runs its
-    nine-op math fallback for values narrower than the keys (MLA's latents)."""
+    math fallback, in more ops, for values narrower than the keys (MLA's latents)."""
     scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scale)
     return torch.matmul((scores if mask is None else scores.add_(mask)).softmax(-1), values)
 
@@ -69,33 +49,37 @@ def attend_latent(layout: RaggedLayout, query: Tensor, latent_cache: Tensor, val
     """Single-latent-head attention of every query head over its row's slot of cached latents.
 
     Args:
-        layout: the batch's :class:`~tandem.models.llama3.RaggedLayout` (padding and visibility).
+        layout: the batch's :class:`~tandem.models.attention.RaggedLayout` (padding and visibility).
         query: ``[T, nh, D]`` latent queries (``D = kv_lora_rank + qk_rope_head_dim``).
         latent_cache: ``[num_slots, max_len, D]``; the keys, whose first ``value_dim`` entries are the values.
     Returns:
         ``[T, nh, value_dim]`` in the query's dtype.
     """
-    num_rows, max_query = len(layout.slots), layout.max_query
+    num_rows, max_query = layout.num_rows, layout.max_query
     num_heads, dim = query.shape[1:]
-    keys = layout.cache_rows(latent_cache).unsqueeze(1)  # [B, 1, Lmax, D]
+    keys = layout.addressing.gather(latent_cache).unsqueeze(1)  # [B, 1, num_keys, D]
     # Heads fold into the query axis: one shared key/value head, as in MQA.
     attention = softmax_attention if query.device.type == "cpu" else F.scaled_dot_product_attention
-    out = attention(layout.to_grid(query).view(num_rows, 1, max_query * num_heads, dim), keys, keys[..., :value_dim],
-                    layout.attention_mask(query.dtype, repeats=num_heads), scale=scale)
+    out = attention(
+        layout.to_grid(query).view(num_rows, 1, max_query * num_heads, dim),
+        keys,
+        keys[..., :value_dim],
+        layout.attention_mask(query.dtype, repeats=num_heads),
+        scale=scale,
+    )
     return layout.from_grid(out.view(num_rows, max_query, num_heads, value_dim))
 
 
 class MultiHeadLatentAttention(Layer):
     """MLA with the absorbed form over the latent cache: ``x: [T, H] -> [T, H]``."""
 
-    def __init__(self, config: dict[str, Any], softmax_scale_factor: float, **factory):
+    def __init__(self, config: DeepseekV3Config, softmax_scale_factor: float, **factory):
         super().__init__()
-        hidden, self.num_heads = config["hidden_size"], config["num_attention_heads"]
-        self.nope_dim, self.rope_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
-        self.v_dim, self.kv_rank = config["v_head_dim"], config["kv_lora_rank"]
-        self.q_rank = config.get("q_lora_rank")
-        bias = bool(config.get("attention_bias", False))
-        eps = config.get("rms_norm_eps", 1e-6)
+        hidden, self.num_heads = config.hidden_size, config.num_attention_heads
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.kv_rank = config.v_head_dim, config.kv_lora_rank
+        self.q_rank = config.q_lora_rank
+        bias, eps = config.attention_bias, config.rms_norm_eps
         q_out, kv_a_out = self.num_heads * (self.nope_dim + self.rope_dim), self.kv_rank + self.rope_dim
         if self.q_rank is None:
             self.q_proj = Linear(hidden, q_out, bias=False, **factory)
@@ -106,12 +90,13 @@ class MultiHeadLatentAttention(Layer):
             self.q_a_layernorm = RMSNorm(self.q_rank, eps=eps, **factory)
             self.q_b_proj = Linear(self.q_rank, q_out, bias=False, **factory)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, eps=eps, **factory)
-        self.kv_b_proj = Linear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False, **factory)
-        self.kv_b_proj.narrowable = ()  # read by bmm, never by `linear`: stored narrower, it would be widened per call
+        # Read by bmm, never by `linear`: stored narrower, it would be widened per call.
+        kv_b_out = self.num_heads * (self.nope_dim + self.v_dim)
+        self.kv_b_proj = Linear(self.kv_rank, kv_b_out, bias=False, narrowable=False, **factory)
         self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias, **factory)
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5 * softmax_scale_factor
 
-    def forward(self, x: Tensor, rope: Rope, layout: RaggedLayout, latent_cache: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Rotation, layout: RaggedLayout, latent_cache: Tensor) -> Tensor:
         """Write this batch's latents into ``latent_cache [num_slots, max_len, r + rope]`` and attend.
 
         ``x: [T, H]``, ``rope``: the :class:`RotaryEmbedding` of the tokens' positions -> ``[T, H]``.
@@ -123,12 +108,13 @@ class MultiHeadLatentAttention(Layer):
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         q_nope, q_pe = q.view(x.shape[0], self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = kv_a.split([self.kv_rank, self.rope_dim], dim=-1)
-        layout.write(latent_cache, torch.cat(
-            [self.kv_a_layernorm(latent), apply_interleaved_rotary(k_pe[:, None], rope).flatten(1)], dim=-1))
+        layout.addressing.write(
+            latent_cache, torch.cat([self.kv_a_layernorm(latent), rope.apply(k_pe[:, None]).flatten(1)], dim=-1)
+        )
         kv_b = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_rank)
-        # Head-batched matmuls: einsum's own permutes and reshapes took 6% of the demo's decode step.
+        # Head-batched matmuls: einsum would add its own permutes and reshapes to every layer.
         q_latent = torch.bmm(q_nope.transpose(0, 1), kv_b[:, : self.nope_dim]).transpose(0, 1)  # [T, nh, r]
-        query = torch.cat([q_latent, apply_interleaved_rotary(q_pe, rope)], dim=-1)  # [T, nh, r + rope]
+        query = torch.cat([q_latent, rope.apply(q_pe)], dim=-1)  # [T, nh, r + rope]
         out_latent = attend_latent(layout, query, latent_cache, self.kv_rank, self.scale)  # [T, nh, r]
         out = torch.bmm(out_latent.transpose(0, 1), kv_b[:, self.nope_dim :].transpose(1, 2)).transpose(0, 1)
         return self.o_proj(out.flatten(1))
@@ -141,19 +127,18 @@ class MultiHeadLatentAttention(Layer):
 class DecoderLayer(Layer):
     """Pre-norm residual block: MLA, then a dense SwiGLU MLP or the MoE. ``x: [T, H] -> [T, H]``."""
 
-    def __init__(self, config: dict[str, Any], layer_id: int, softmax_scale_factor: float, **factory):
+    def __init__(self, config: DeepseekV3Config, layer_id: int, softmax_scale_factor: float, **factory):
         super().__init__()
-        hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps=eps, **factory)
         self.self_attn = MultiHeadLatentAttention(config, softmax_scale_factor, **factory)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, **factory)
-        is_moe = config.get("n_routed_experts") and layer_id >= (config.get("first_k_dense_replace") or 0)
-        if is_moe:
+        if config.is_moe_layer(layer_id):
             self.mlp = DeepseekMoE(config, **factory)
         else:
-            self.mlp = GatedMLP(hidden, config["intermediate_size"], **factory)
+            self.mlp = GatedMLP(hidden, config.intermediate_size, **factory)
 
-    def forward(self, x: Tensor, rope: Rope, layout: RaggedLayout, latent_cache: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Rotation, layout: RaggedLayout, latent_cache: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, layout, latent_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -172,7 +157,7 @@ class DeepseekV3(nn.Module):
     """DeepSeek-V3 target (:class:`tandem.models.base.Target`): embedding, MLA/MoE layers, norm, LM head.
 
     Args:
-        config: the checkpoint's ``config.json`` as a dict.
+        config: the checkpoint's settings.
         aux_layer_ids: EAGLE-3 capture points (HF ``hidden_states`` indices); default
             :func:`~tandem.models.base.default_aux_layer_ids`.
         dtype, device: of the parameters and caches (the router bias stays float32).
@@ -180,39 +165,32 @@ class DeepseekV3(nn.Module):
 
     def __init__(
         self,
-        config: dict[str, Any],
+        config: DeepseekV3Config,
         *,
         aux_layer_ids: tuple[int, ...] | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
         super().__init__()
-        check_config(config)
         factory = {"dtype": dtype, "device": device}
         self.config, self.checkpoint_dir = config, None
-        self.vocab_size, self.hidden_size = config["vocab_size"], config["hidden_size"]
-        self.num_layers = config["num_hidden_layers"]
+        self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
+        self.num_layers = config.num_hidden_layers
         self.aux_layer_ids = tuple(aux_layer_ids or default_aux_layer_ids(self.num_layers))
-        self.rope = RotaryEmbedding(config, config["qk_rope_head_dim"], dtype or torch.get_default_dtype())
+        self.rope = RotaryEmbedding(config.rope, config.qk_rope_head_dim, dtype or torch.get_default_dtype())
         self.embed_tokens = nn.Embedding(self.vocab_size, self.hidden_size, **factory)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, self.rope.softmax_scale_factor, **factory) for i in range(self.num_layers)
         )
-        self.norm = RMSNorm(self.hidden_size, eps=config.get("rms_norm_eps", 1e-6), **factory)
-        tied = config.get("tie_word_embeddings", False)
+        self.norm = RMSNorm(self.hidden_size, eps=config.rms_norm_eps, **factory)
+        tied = config.tie_word_embeddings
         self.head = None if tied else Linear(self.hidden_size, self.vocab_size, bias=False, **factory)
-
-    @property
-    def latent_dim(self) -> int:
-        """Numbers cached per token and layer: ``kv_lora_rank + qk_rope_head_dim``."""
-        return self.config["kv_lora_rank"] + self.config["qk_rope_head_dim"]
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """Latent caches ``[num_slots, max_len, kv_lora_rank + qk_rope_head_dim]`` per layer."""
         weight = self.embed_tokens.weight
-        return KVCache.allocate(
-            self.num_layers, num_slots, max_len, (self.latent_dim,), dtype=weight.dtype, device=weight.device
-        )
+        entry = (self.config.latent_dim,)
+        return KVCache.allocate(self.num_layers, num_slots, max_len, entry, dtype=weight.dtype, device=weight.device)
 
     def embed(self, ids: Tensor) -> Tensor:
         """``ids: [T] int64`` -> ``[T, H]``."""
@@ -262,14 +240,8 @@ class DeepseekV3(nn.Module):
             load_param(self.head.weight, take, "lm_head.weight")
 
 
-def mtp_layer_ids(config: dict[str, Any]) -> range:
-    """Indices of the MTP/NextN layers stored after the decoder layers (``model.layers.{L}.*``, ...)."""
-    first = config["num_hidden_layers"]
-    return range(first, first + (config.get("num_nextn_predict_layers") or 0))
-
-
 def build(
-    config: dict[str, Any],
+    config: DeepseekV3Config,
     weights: WeightReader,
     *,
     dtype: torch.dtype,
@@ -278,9 +250,9 @@ def build(
 ) -> DeepseekV3:
     """The :mod:`tandem.models.loading` builder: a DeepSeek-V3 target with its checkpoint's weights.
 
-    The MTP layers (``model.layers.{L}.*`` and up) are left for :mod:`tandem.models.mtp`.
+    The MTP layers (``model.layers.{L}.*`` and up) are left for :mod:`tandem.models.drafts.mtp`.
     """
     model = DeepseekV3(config, dtype=dtype, device="meta").to_empty(device=device)  # weights follow
     model.load(weights.take)
-    weights.finish(ignore=[rf"model\.layers\.{i}\." for i in mtp_layer_ids(config)])
+    weights.finish(ignore=[rf"model\.layers\.{i}\." for i in config.mtp_layer_ids])
     return model.eval().requires_grad_(False)

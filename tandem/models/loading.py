@@ -2,10 +2,11 @@
 
 A directory holds ``config.json`` and ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``. :func:`load_target` and :func:`load_draft` pick the provider
-module from a small registry keyed by the config's ``architectures`` (first) or ``model_type``;
-every provider module exposes the same builder::
+module and its typed config (:mod:`tandem.models.config`) from a small registry keyed by the
+config's ``architectures`` (first) or ``model_type``, parse ``config.json`` into that config once,
+and call the builder every provider module exposes::
 
-    build(config: dict, weights: WeightReader | None, *, dtype: torch.dtype,
+    build(config: <its config>, weights: WeightReader | None, *, dtype: torch.dtype,
           device: torch.device, target: Target | None = None) -> Target | Draft
 
 (``target`` is None for targets; ``weights`` is None for the model-free n-gram draft.)
@@ -23,30 +24,33 @@ import difflib
 import importlib
 import json
 import re
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from types import ModuleType
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import Tensor
 
 from tandem.models.base import Draft, Target
-from tandem.models.layers import checkpoint_tensors
+from tandem.models.config import DeepseekV3Config, Eagle3Config, EagleConfig, LlamaConfig, NgramConfig
+from tandem.models.linear import MergedLinear
 
-TARGET_MODULES = {  # config model_type -> provider module
-    "llama": "tandem.models.llama3",
-    "deepseek_v3": "tandem.models.deepseek_v3",
+TARGET_MODULES = {  # config model_type -> (provider module, the config it is built from)
+    "llama": ("tandem.models.llama3", LlamaConfig),
+    "deepseek_v3": ("tandem.models.deepseek_v3", DeepseekV3Config),
 }
-DRAFT_MODULES = {  # config architectures[0] (or a kind name) -> provider module
-    "ngram": "tandem.models.ngram",
-    "mtp": "tandem.models.mtp",
-    "DeepseekV3ForCausalLMNextN": "tandem.models.mtp",
-    "EagleLlamaForCausalLM": "tandem.models.eagle",
-    "LlamaForCausalLMEagle": "tandem.models.eagle",
-    "LlamaForCausalLMEagle3": "tandem.models.eagle3",
-    "Eagle3LlamaForCausalLM": "tandem.models.eagle3",
-    "Eagle3DeepseekV2ForCausalLM": "tandem.models.eagle3",
-    "Eagle3DeepseekV3ForCausalLM": "tandem.models.eagle3",
+DRAFT_MODULES = {  # config architectures[0] (or a kind name) -> (provider module, the config it is built from)
+    "ngram": ("tandem.models.drafts.ngram", NgramConfig),
+    "mtp": ("tandem.models.drafts.mtp", DeepseekV3Config),
+    "DeepseekV3ForCausalLMNextN": ("tandem.models.drafts.mtp", DeepseekV3Config),
+    "EagleLlamaForCausalLM": ("tandem.models.drafts.eagle", EagleConfig),
+    "LlamaForCausalLMEagle": ("tandem.models.drafts.eagle", EagleConfig),
+    "LlamaForCausalLMEagle3": ("tandem.models.drafts.eagle3", Eagle3Config),
+    "Eagle3LlamaForCausalLM": ("tandem.models.drafts.eagle3", Eagle3Config),
+    "Eagle3DeepseekV2ForCausalLM": ("tandem.models.drafts.eagle3", Eagle3Config),
+    "Eagle3DeepseekV3ForCausalLM": ("tandem.models.drafts.eagle3", Eagle3Config),
 }
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -56,7 +60,7 @@ class CheckpointError(ValueError):
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """The parsed ``config.json`` of a model directory."""
+    """The parsed ``config.json`` of a model directory, as a dict (the providers' typed configs come from it)."""
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: expected a Hugging Face model directory")
@@ -89,10 +93,12 @@ class WeightReader:
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
         if index.is_file():
-            self._shard_of = {key: self.path / shard for key, shard in json.loads(index.read_text())["weight_map"].items()}
+            self._shard_of = {
+                key: self.path / shard for key, shard in json.loads(index.read_text())["weight_map"].items()
+            }
         elif single.is_file():
             with safe_open(single, framework="pt") as f:
-                self._shard_of = {key: single for key in f.keys()}
+                self._shard_of = dict.fromkeys(f.keys(), single)
         else:
             raise FileNotFoundError(f"{self.path}: neither model.safetensors nor model.safetensors.index.json")
         self._handles: dict[Path, Any] = {}
@@ -155,11 +161,16 @@ class WeightReader:
             raise CheckpointError(f"{self.path}: {len(left)} tensors were not used by the model: {shown}")
 
 
-def _module(registry: dict[str, str], name: str, what: str, where: Path | str):
-    """Import the provider module registered under ``name``; ``what``/``where`` go into the error."""
+Registry = dict[str, tuple[str, type]]  # name -> (provider module, config class)
+
+
+def _provider(registry: Registry, name: str, what: str, where: Path | str) -> tuple[ModuleType, type]:
+    """The provider module registered under ``name`` (imported) and its config class; ``what``/``where``
+    go into the error."""
     if name not in registry:
         raise ValueError(f"{where}: unknown {what} {name!r}: supported are {sorted(registry)}")
-    return importlib.import_module(registry[name])
+    module, config_class = registry[name]
+    return importlib.import_module(module), config_class
 
 
 def load_target(
@@ -167,11 +178,14 @@ def load_target(
 ) -> Target:
     """Build the target model of HF directory ``path`` (dispatch on ``config["model_type"]``)."""
     path = Path(path)
-    config = read_config(path)
-    module = _module(TARGET_MODULES, config.get("model_type", "<none>"), "target model_type", path / "config.json")
-    dtype = resolve_dtype(dtype, config)
+    raw = read_config(path)
+    module, config_class = _provider(
+        TARGET_MODULES, raw.get("model_type", "<none>"), "target model_type", path / "config.json"
+    )
+    dtype = resolve_dtype(dtype, raw)
     device = torch.device(device or "cpu")
-    target = module.build(config, WeightReader(path, dtype=dtype, device=device), dtype=dtype, device=device)
+    weights = WeightReader(path, dtype=dtype, device=device)
+    target = module.build(config_class.from_dict(raw), weights, dtype=dtype, device=device)
     target.checkpoint_dir = path
     return target
 
@@ -200,27 +214,29 @@ def load_draft(
 ) -> Draft:
     """Build a draft for ``target``: ``"ngram"``, ``"mtp"``, or a draft checkpoint directory.
 
-    ``dtype``/``device`` default to the target's (its first parameter's) when it has any.
+    ``dtype``/``device`` default to the target's (its first parameter's) when it has any. ``"mtp"``
+    reads the target's own checkpoint directory, its ``config.json`` included.
     """
     target_param = next(iter(getattr(target, "parameters", lambda: iter(()))()), None)
     if dtype is None and target_param is not None:
         dtype = target_param.dtype
     device = torch.device(device or (target_param.device if target_param is not None else "cpu"))
     if path_or_kind == "ngram":
-        module = _module(DRAFT_MODULES, "ngram", "draft", "ngram")
-        return module.build({}, None, dtype=resolve_dtype(dtype, {}), device=device, target=target)
+        module, config_class = _provider(DRAFT_MODULES, "ngram", "draft", "ngram")
+        return module.build(config_class(), None, dtype=resolve_dtype(dtype, {}), device=device, target=target)
     if path_or_kind == "mtp":
         if target.checkpoint_dir is None:
             raise ValueError("draft 'mtp' reads the target's checkpoint, but this target has no checkpoint_dir")
-        path, config, kind = target.checkpoint_dir, target.config, "mtp"
-        weights = WeightReader(path, dtype=resolve_dtype(dtype, config), device=device)
+        path, kind = Path(target.checkpoint_dir), "mtp"
+        raw = read_config(path)
+        weights = WeightReader(path, dtype=resolve_dtype(dtype, raw), device=device)
     else:
         path = Path(path_or_kind)
-        config = read_config(path)
-        weights = WeightReader(path, dtype=resolve_dtype(dtype, config), device=device)
-        kind = draft_kind(config, weights)
-    module = _module(DRAFT_MODULES, kind, "draft architecture", path / "config.json")
-    return module.build(config, weights, dtype=weights.dtype, device=device, target=target)
+        raw = read_config(path)
+        weights = WeightReader(path, dtype=resolve_dtype(dtype, raw), device=device)
+        kind = draft_kind(raw, weights)
+    module, config_class = _provider(DRAFT_MODULES, kind, "draft architecture", path / "config.json")
+    return module.build(config_class.from_dict(raw), weights, dtype=weights.dtype, device=device, target=target)
 
 
 def load_tokenizer(path: str | Path):
@@ -239,8 +255,21 @@ def load_param(param: Tensor, take: TakeFn, key: str) -> None:
     param.copy_(take(key, tuple(param.shape), dtype=param.dtype))
 
 
+def checkpoint_tensors(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+    """Every parameter of ``module`` as ``(checkpoint key, tensor)``: ``prefix + name``, except that a
+    :class:`~tandem.models.linear.MergedLinear` yields views of its weight under its parts' keys (next
+    to it, not under it), so loading is one pass over the module."""
+    for name, param in module.named_parameters(recurse=False):
+        yield prefix + name, param
+    for name, child in module.named_children():
+        if isinstance(child, MergedLinear):
+            yield from child.part_tensors(prefix)
+        else:
+            yield from checkpoint_tensors(child, f"{prefix}{name}.")
+
+
 def load_module(module: torch.nn.Module, take: TakeFn, prefix: str) -> None:
     """Fill every parameter of ``module`` from its checkpoint key under ``prefix``
-    (:func:`~tandem.models.layers.checkpoint_tensors`: ``prefix + name``, merged weights by part)."""
+    (:func:`checkpoint_tensors`: ``prefix + name``, merged weights by part)."""
     for key, tensor in checkpoint_tensors(module, prefix):
         load_param(tensor, take, key)

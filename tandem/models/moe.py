@@ -1,4 +1,4 @@
-"""DeepSeek-V3's routed mixture of experts (dense layers use :class:`tandem.models.layers.GatedMLP`).
+"""DeepSeek-V3's routed mixture of experts (dense layers use :class:`tandem.models.mlp.GatedMLP`).
 
 Routing (DeepSeek-V3 "noaux_tc", as in the reference code and transformers 5.23):
 
@@ -9,6 +9,12 @@ Routing (DeepSeek-V3 "noaux_tc", as in the reference code and transformers 5.23)
     experts = top-k of masked c                            # [T, k]
     weights = s[experts] (unbiased), / their sum if norm_topk_prob, * routed_scaling_factor
     y = sum_k weights_k * expert_k(x) + shared_experts(x)
+
+The experts run one of two ways, equal up to the order of the sums, chosen in one place
+(:meth:`RoutedExperts.runs_dense`): densely, every expert on every token weighted by its routing
+(0 where not chosen), on the CPU while that extra work costs less than the dispatch's sorting,
+gathering and per-expert calls (a step of a few tokens); else dispatched, each expert on the
+tokens that chose it.
 
 Every ``load`` method takes ``take(key, shape, *, dtype) -> Tensor`` (``WeightReader.take``, which
 raises an error naming the key and both shapes) and the module's key prefix.
@@ -22,9 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tandem.models.layers import GatedMLP, Layer, linear
+from tandem.core.transfer import int64_tensor
+from tandem.models.config import DeepseekV3Config
+from tandem.models.layers import Layer
+from tandem.models.linear import linear
 from tandem.models.loading import TakeFn, load_module, load_param
-from tandem.transfer import int64_tensor
+from tandem.models.mlp import GatedMLP
 
 
 class GroupLimitedRouter(Layer):
@@ -112,9 +121,8 @@ def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor | list[int]) -> Tens
 
 
 # On the CPU the experts run densely while the work that adds to the dispatch's, T * (E - k) * 6 * I * H
-# FLOPs, stays under this: about 90 us of one core here, what the dispatch's sort, gathers and
-# per-expert calls cost a few tokens (the DeepSeek demo's MoE, 8 experts of 96: 5 tokens 193 -> 69
-# us, 1 token 54 -> 40 us; from about 30 tokens on, the dispatch is faster).
+# FLOPs, stays under this: about what the dispatch's sort, gathers and per-expert calls cost a few
+# tokens. Past it the dispatch is faster.
 DENSE_MAX_EXTRA_FLOPS = 8e6
 
 
@@ -126,7 +134,7 @@ class RoutedExperts(Layer):
     Two ways to run them, equal up to the order of the sums:
 
     - dense (:meth:`dense`), on the CPU while every expert's work on every token costs little more
-      than the dispatch (:data:`DENSE_MAX_EXTRA_FLOPS`): one linear per projection over all the
+      than the dispatch (:meth:`runs_dense`): one linear per projection over all the
       experts, each expert's activations scaled by the token's routing weight for it (0 where the
       token did not choose it). Small experts are mostly all visited by a few tokens anyway.
     - dispatch (:meth:`dispatch`): the (token, expert) pairs sorted by expert, one
@@ -140,15 +148,19 @@ class RoutedExperts(Layer):
         self.gate_up = nn.Parameter(torch.empty(num_experts * 2 * intermediate_size, hidden_size, **factory))
         self.down = nn.Parameter(torch.empty(hidden_size, num_experts * intermediate_size, **factory))
 
-    narrowable = ("gate_up", "down")  # `tandem.models.layers.narrow_exact_weights`
+    narrowable = ("gate_up", "down")  # read only through `linear` (`tandem.models.linear.narrow_exact_weights`)
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """``x: [T, H]``, ``weights: [T, k] float32``, ``experts: [T, k] int64`` -> ``[T, H]`` in x's dtype."""
+        run = self.dense if self.runs_dense(x, experts) else self.dispatch
+        return run(x, weights, experts)
+
+    def runs_dense(self, x: Tensor, experts: Tensor) -> bool:
+        """Whether :meth:`forward` runs every expert on every token: on the CPU, while the work that adds
+        to the dispatch's (``T * (E - k)`` unchosen experts' SwiGLUs) stays under :data:`DENSE_MAX_EXTRA_FLOPS`."""
         tokens, top_k = experts.shape
         extra_flops = tokens * (self.num_experts - top_k) * 6 * self.intermediate_size * x.shape[1]
-        if x.is_cpu and extra_flops <= DENSE_MAX_EXTRA_FLOPS:
-            return self.dense(x, weights, experts)
-        return self.dispatch(x, weights, experts)
+        return x.is_cpu and extra_flops <= DENSE_MAX_EXTRA_FLOPS
 
     def dense(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """:meth:`forward` running every expert on every token."""
@@ -193,26 +205,26 @@ class DeepseekMoE(Layer):
     """Routed experts plus always-on shared experts: ``x: [T, H] -> [T, H]``.
 
     Args:
-        config: the HF config dict (``n_routed_experts``, ``num_experts_per_tok``, ``n_group``,
-            ``topk_group``, ``norm_topk_prob``, ``routed_scaling_factor``, ``moe_intermediate_size``,
-            ``n_shared_experts``, ``hidden_size``).
+        config: reads ``n_routed_experts``, ``num_experts_per_tok``, ``n_group``, ``topk_group``,
+            ``norm_topk_prob``, ``routed_scaling_factor``, ``moe_intermediate_size``,
+            ``n_shared_experts`` and ``hidden_size``.
     """
 
-    def __init__(self, config: dict, **factory):
+    def __init__(self, config: DeepseekV3Config, **factory):
         super().__init__()
-        hidden, inter = config["hidden_size"], config["moe_intermediate_size"]
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.gate = GroupLimitedRouter(
             hidden,
-            config["n_routed_experts"],
-            config["num_experts_per_tok"],
-            config.get("n_group") or 1,
-            config.get("topk_group") or 1,
-            bool(config.get("norm_topk_prob", True)),
-            float(config.get("routed_scaling_factor", 1.0)),
+            config.n_routed_experts,
+            config.num_experts_per_tok,
+            config.n_group,
+            config.topk_group,
+            config.norm_topk_prob,
+            config.routed_scaling_factor,
             **factory,
         )
-        self.experts = RoutedExperts(hidden, inter, config["n_routed_experts"], **factory)
-        n_shared = config.get("n_shared_experts") or 0
+        self.experts = RoutedExperts(hidden, inter, config.n_routed_experts, **factory)
+        n_shared = config.n_shared_experts
         self.shared_experts = GatedMLP(hidden, inter * n_shared, **factory) if n_shared else None
 
     def forward(self, x: Tensor) -> Tensor:

@@ -1,4 +1,24 @@
-"""Rotary position embedding as DeepSeek-V3's MLA uses it: interleaved pairs, optional YaRN.
+"""Rotary position embeddings: each position's rotation, tabled once, and its application to queries and keys.
+
+Two layouts, one table class each: the half-split form of Llama checkpoints (:class:`Rotary`, with
+``llama3`` frequency scaling) and the interleaved form of DeepSeek-V3's MLA
+(:class:`RotaryEmbedding`, optional YaRN). Settings come typed
+(:class:`~tandem.models.config.RopeParameters`). A provider calls its table once per forward for
+the batch's positions and gets the step's :class:`Rotation`; every layer rotates its queries and
+keys with ``rope.apply(x)``, whatever the layout and the form.
+
+Two forms of one rotation (the CPU fast path, chosen in :meth:`RotaryTable.__call__` only):
+
+- a step of few tokens (decode, verify, drafting: at most :data:`MAX_ROTATION_MATRIX_TOKENS`)
+  gets each position's rotation as a ``[dim, dim]`` matrix (:class:`RotationMatrices`), built once
+  per forward, which every layer applies to all its rotated heads in one ``bmm``. Reason: on
+  small models a step of few tokens is paid per op, and the elementwise form takes several.
+- a longer step (a prefill) rotates elementwise (:class:`HalfSplitRotation`,
+  :class:`InterleavedRotation`): its matrices would grow with ``T * dim**2``.
+
+Invariant: each output of either form is the same two products, cos and sin terms, summed (the
+matrix's other terms are exact zeros), so both give the same results up to the rounding of that
+sum.
 
 DeepSeek stores the rotary dimensions as interleaved pairs ``(x0, x1), (x2, x3), ...``,
 each pair rotated by one frequency. Like transformers' ``apply_rotary_pos_emb_interleave``
@@ -6,7 +26,7 @@ the rotated vector comes out de-interleaved (``[real parts | imaginary parts]``)
 and keys get the same permutation, so their dot products are those of the interleaved
 rotation, and the cached keys stay in that layout.
 
-YaRN (``rope_type``/``type == "yarn"``) follows the DeepSeek reference and transformers 5.23:
+YaRN (``rope_type == "yarn"``) follows the DeepSeek reference and transformers 5.23:
 frequencies blend interpolation and extrapolation over the correction range set by
 ``beta_fast``/``beta_slow``; cos/sin are scaled by ``mscale(factor, mscale) /
 mscale(factor, mscale_all_dim)`` and the attention softmax scale by
@@ -16,10 +36,14 @@ mscale(factor, mscale_all_dim)`` and the attention softmax scale by
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from tandem.models.config import RopeParameters
+
+MAX_ROTATION_MATRIX_TOKENS = 64  # rotation matrices cost T * dim**2 numbers: only for decode-sized steps
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -27,32 +51,11 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_parameters(config: dict[str, Any], supported: tuple[str, ...], model: str) -> dict[str, Any]:
-    """The RoPE settings of an HF config dict, in one shape whatever the config's vintage.
-
-    Reads transformers-5 ``rope_parameters`` or the older ``rope_scaling`` + ``rope_theta``
-    (the published Llama 3 / DeepSeek-V3 configs). Returns a dict with at least ``rope_type`` and
-    ``rope_theta`` (default 10000: the official EAGLE-3 Llama-3.1 draft config has none); the
-    scaling keys are passed through unchanged. Raises ValueError for a type not in `supported`.
-    """
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    params["rope_type"] = params.get("rope_type", params.pop("type", "default"))
-    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    if params["rope_type"] not in supported:
-        expected = " or ".join(repr(t) for t in supported)
-        raise ValueError(f"rope_type {params['rope_type']!r} is not supported for {model} (expected {expected})")
-    return params
-
-
-def _yarn(params: dict[str, Any], dim: int, max_position_embeddings: int) -> tuple[Tensor, float, float]:
+def _yarn(rope: RopeParameters, dim: int) -> tuple[Tensor, float, float]:
     """YaRN inverse frequencies ``[dim // 2] float32``, the cos/sin scale and the softmax-scale factor."""
-    base = float(params["rope_theta"])
-    original_max = params.get("original_max_position_embeddings") or max_position_embeddings
-    factor = params.get("factor") or max_position_embeddings / original_max
-    beta_fast = params.get("beta_fast") or 32
-    beta_slow = params.get("beta_slow") or 1
-    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-    attention_factor = params.get("attention_factor")
+    base, factor, original_max = rope.rope_theta, rope.factor, rope.original_max_position_embeddings
+    mscale, mscale_all_dim = rope.mscale, rope.mscale_all_dim
+    attention_factor = rope.attention_factor
     if attention_factor is None:
         attention_factor = (
             yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
@@ -63,8 +66,8 @@ def _yarn(params: dict[str, Any], dim: int, max_position_embeddings: int) -> tup
     def correction_dim(num_rotations: float) -> float:
         return dim * math.log(original_max / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
@@ -77,19 +80,79 @@ def _yarn(params: dict[str, Any], dim: int, max_position_embeddings: int) -> tup
     return inv_freq, float(attention_factor), softmax_scale_factor
 
 
-Rope = Tensor | tuple[Tensor, Tensor]  # a rotary's output: rotation matrices, or an elementwise (cos, sin) pair
-MAX_ROTATION_MATRIX_TOKENS = 64  # rotation matrices cost T * dim**2 numbers: only for decode-sized steps
+def rope_inv_freq(rope: RopeParameters, head_dim: int) -> Tensor:
+    """Inverse frequencies ``[head_dim // 2] float32``, llama3-scaled when ``rope`` asks for it.
+
+    Llama 3.1 scaling: wavelengths shorter than ``original_max / high_freq_factor`` keep their
+    frequency, those longer than ``original_max / low_freq_factor`` are divided by ``factor``,
+    and the band between interpolates smoothly.
+    """
+    inv_freq = 1.0 / rope.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if rope.rope_type == "default":
+        return inv_freq
+    factor, original_max = rope.factor, rope.original_max_position_embeddings
+    low, high = rope.low_freq_factor, rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((original_max / wavelen - low) / (high - low)).clamp(0, 1)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(wavelen > original_max / low, inv_freq / factor, blended)
+
+
+class Rotation(Protocol):
+    """The rotation of one step's positions, as a rotary table returned it."""
+
+    def apply(self, x: Tensor) -> Tensor:
+        """Rotate ``x: [T, heads, dim]`` (in the model's dtype), token t by position t's angles;
+        returns ``[T, heads, dim]``."""
+        ...
+
+
+class RotationMatrices:
+    """Each position's rotation as a matrix, ``[T, dim, dim]`` with ``x @ R[t]`` the rotated ``x``
+    (:func:`rotation_matrices`): one ``bmm`` rotates all of a layer's heads."""
+
+    __slots__ = ("matrices",)
+
+    def __init__(self, matrices: Tensor):
+        self.matrices = matrices
+
+    def apply(self, x: Tensor) -> Tensor:
+        return torch.bmm(x, self.matrices)
+
+
+class HalfSplitRotation:
+    """Llama's elementwise rotation ``x * cos + rotate_half(x) * sin`` from ``cos, signed_sin: [T, dim]``;
+    the sine's first half is negated, which turns ``rotate_half(x) * sin`` into ``roll(x) * signed sin``."""
+
+    __slots__ = ("cos", "signed_sin")
+
+    def __init__(self, cos: Tensor, signed_sin: Tensor):
+        self.cos, self.signed_sin = cos, signed_sin
+
+    def apply(self, x: Tensor) -> Tensor:
+        return x * self.cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin[:, None]
+
+
+class InterleavedRotation:
+    """DeepSeek's elementwise rotation of interleaved pairs from ``cos, sin: [T, dim]`` (both halves of
+    the columns hold the same angles); the output is de-interleaved (see the module docstring)."""
+
+    __slots__ = ("cos", "sin")
+
+    def __init__(self, cos: Tensor, sin: Tensor):
+        self.cos, self.sin = cos, sin
+
+    def apply(self, x: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        cos, sin = self.cos[:, None, :half], self.sin[:, None, :half]
+        real, imag = x[..., 0::2], x[..., 1::2]
+        return torch.cat([real * cos - imag * sin, imag * cos + real * sin], dim=-1)
 
 
 def rotation_matrices(cos: Tensor, sin: Tensor, cos_pattern: Tensor, sin_pattern: Tensor) -> Tensor:
     """Per-position rotations ``[T, dim, dim]`` with ``x @ R[t]`` the rotated ``x``: ``R[t] =
     cos_pattern * cos[t] + sin_pattern * sin[t]``, from ``cos, sin: [T, dim]`` (each output
-    column's angle) and the ``[dim, dim]`` patterns of where each input lands (entries 0 or ±1).
-
-    On small models a step of few tokens is paid per op: a rotation as one ``bmm`` per layer
-    replaces four to seven elementwise ops. Each output is the same two products summed as the
-    elementwise form (the other terms are exact zeros).
-    """
+    column's angle) and the ``[dim, dim]`` patterns of where each input lands (entries 0 or ±1)."""
     return cos_pattern * cos[:, None, :] + sin_pattern * sin[:, None, :]
 
 
@@ -98,8 +161,8 @@ class RotaryTable:
     and the rotation they make. Not an ``nn.Module``: no weights.
 
     The table covers positions ``0 .. end - 1`` of the furthest step so far, doubling when a step
-    reaches past it: a decode step pays one lookup where computing its angles took six ops. Entries
-    are computed in float32 and then cast to the model's dtype, like HF.
+    reaches past it: a decode step pays one lookup instead of computing its angles. Entries are
+    computed in float32 and then cast to the model's dtype, like HF.
 
     Args:
         freq: ``[dim]`` float32 angle per position of each output column.
@@ -108,21 +171,30 @@ class RotaryTable:
         dtype: the model's.
     """
 
-    def __init__(self, freq: Tensor, cos_scale: Tensor | float, sin_scale: Tensor | float, cos_pattern: Tensor,
-                 sin_pattern: Tensor, dtype: torch.dtype):
+    elementwise: type[HalfSplitRotation] | type[InterleavedRotation]  # the layout's elementwise form
+
+    def __init__(
+        self,
+        freq: Tensor,
+        cos_scale: Tensor | float,
+        sin_scale: Tensor | float,
+        cos_pattern: Tensor,
+        sin_pattern: Tensor,
+        dtype: torch.dtype,
+    ):
         self.freq, self.cos_scale, self.sin_scale = freq, torch.as_tensor(cos_scale), torch.as_tensor(sin_scale)
         self.cos_pattern, self.sin_pattern = cos_pattern.to(dtype), sin_pattern.to(dtype)
         self.table = torch.empty(0, 2, len(freq), dtype=dtype)  # [positions, (cos, sin), dim]
 
-    def __call__(self, positions: Tensor, end: int) -> Rope:
-        """``positions: [T] int64``, all below ``end`` -> the rotations ``[T, dim, dim]`` when
-        ``T <= MAX_ROTATION_MATRIX_TOKENS``, else ``(cos, sin)``, each ``[T, dim]``; in the model's dtype."""
+    def __call__(self, positions: Tensor, end: int) -> Rotation:
+        """The rotation of ``positions: [T] int64``, all below ``end``: :class:`RotationMatrices` when
+        ``T <= MAX_ROTATION_MATRIX_TOKENS``, else the elementwise form; in the model's dtype."""
         if len(self.table) < end or self.table.device != positions.device:
             self._build(max(end, 2 * len(self.table), 256), positions.device)
         cos, sin = self.table[positions].unbind(1)
         if positions.shape[0] > MAX_ROTATION_MATRIX_TOKENS:
-            return cos, sin
-        return rotation_matrices(cos, sin, self.cos_pattern, self.sin_pattern)
+            return self.elementwise(cos, sin)
+        return RotationMatrices(rotation_matrices(cos, sin, self.cos_pattern, self.sin_pattern))
 
     def _build(self, size: int, device: torch.device) -> None:
         angles = torch.arange(size, dtype=torch.float32, device=device)[:, None] * self.freq.to(device)
@@ -131,26 +203,42 @@ class RotaryTable:
         self.cos_pattern, self.sin_pattern = self.cos_pattern.to(device), self.sin_pattern.to(device)
 
 
+class Rotary(RotaryTable):
+    """Half-split (GPT-NeoX layout) RoPE, as HF Llama checkpoints expect.
+
+    The sine's first half is negated (:class:`HalfSplitRotation`), so the matrix of a position is
+    ``R = identity * cos + half_turn * signed sin``.
+    """
+
+    elementwise = HalfSplitRotation
+
+    def __init__(self, rope: RopeParameters, head_dim: int, dtype: torch.dtype):
+        inv_freq = rope_inv_freq(rope, head_dim)
+        sin_sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])
+        identity = torch.eye(head_dim)
+        half_turn = identity.roll(head_dim // 2, dims=0)  # rotate_half as a matrix: x @ half_turn == roll(x)
+        # Both halves rotate by the same angles.
+        super().__init__(torch.cat([inv_freq, inv_freq]), 1.0, sin_sign, identity, half_turn, dtype)
+
+
 class RotaryEmbedding(RotaryTable):
-    """Interleaved RoPE, YaRN-scaled when the config asks for it.
+    """Interleaved RoPE, YaRN-scaled when ``rope`` asks for it.
 
     Args:
-        config: the model's HF config dict (``rope_parameters`` or ``rope_scaling``/``rope_theta``,
-            ``max_position_embeddings``).
+        rope: the model's rotary settings (``"default"`` or ``"yarn"``).
         dim: rotary dimensions per head (``qk_rope_head_dim``), even.
         dtype: the model's.
     """
 
-    def __init__(self, config: dict[str, Any], dim: int, dtype: torch.dtype):
+    elementwise = InterleavedRotation
+
+    def __init__(self, rope: RopeParameters, dim: int, dtype: torch.dtype):
         if dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {dim}")
-        params = rope_parameters(config, ("default", "yarn"), "DeepSeek-V3")
-        if params["rope_type"] == "yarn":
-            inv_freq, self.attention_factor, self.softmax_scale_factor = _yarn(
-                params, dim, config["max_position_embeddings"]
-            )
+        if rope.rope_type == "yarn":
+            inv_freq, self.attention_factor, self.softmax_scale_factor = _yarn(rope, dim)
         else:
-            inv_freq = 1.0 / float(params["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+            inv_freq = 1.0 / rope.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
             self.attention_factor, self.softmax_scale_factor = 1.0, 1.0
         self.inv_freq = inv_freq  # [dim // 2] float32
         # Pair i = (x[2i], x[2i+1]) rotates into output columns i (real) and dim/2 + i (imaginary).
@@ -160,16 +248,3 @@ class RotaryEmbedding(RotaryTable):
         sin_pattern[2 * pairs + 1, pairs], sin_pattern[2 * pairs, half + pairs] = -1, 1
         factor = self.attention_factor
         super().__init__(inv_freq.repeat(2), factor, factor, cos_pattern, sin_pattern, dtype)
-
-
-def apply_interleaved_rotary(x: Tensor, rope: Rope) -> Tensor:
-    """Rotate interleaved pairs of ``x: [T, heads, dim]`` (in the model's dtype) by what
-    :class:`RotaryEmbedding` returned for its positions. Returns ``[T, heads, dim]``, de-interleaved
-    (see the module docstring).
-    """
-    if isinstance(rope, Tensor):
-        return torch.bmm(x, rope)
-    half = x.shape[-1] // 2  # both halves of the table's columns hold the same angles
-    cos, sin = (t[:, None, :half] for t in rope)
-    real, imag = x[..., 0::2], x[..., 1::2]
-    return torch.cat([real * cos - imag * sin, imag * cos + real * sin], dim=-1)

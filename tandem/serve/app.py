@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from tandem.decoding.output import RequestOutput
+from tandem.engine.output import RequestOutput
 from tandem.llm import LLM
 from tandem.serve import responses, tools
 from tandem.serve.errors import APIError, from_exception, from_validation, invalid
@@ -57,22 +57,32 @@ class Server:
         except pydantic.ValidationError as error:
             raise from_validation(error) from None
         if body.model != self.model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
         return body
 
     def context(self, object_prefix: str) -> responses.ResponseContext:
         return responses.ResponseContext(object_prefix, self.model_name, self.draft, self.llm.engine.k, self.token_text)
 
-    def jobs(self, body: SamplingRequest, prompt: list[int], schema: dict | bool | None, prompt_param: str) -> list[Job]:
+    def jobs(
+        self, body: SamplingRequest, prompt: list[int], schema: dict | bool | None, prompt_param: str
+    ) -> list[Job]:
         """The engine requests of one prompt: one per choice, max_tokens defaulting to the room left."""
         engine = self.llm.engine
         room = engine.config.max_model_len - len(prompt) - engine.k - 1
         budget = body.token_budget()
         if budget is not None and 1 <= room < budget:
-            raise invalid(f"prompt has {len(prompt)} tokens and {budget} new tokens were asked for, but the context "
-                          f"is {engine.config.max_model_len} tokens ({engine.k + 1} reserved for speculation): "
-                          f"at most {room} new tokens fit", param=prompt_param, code="context_length_exceeded")
+            raise invalid(
+                f"prompt has {len(prompt)} tokens and {budget} new tokens were asked for, but the context "
+                f"is {engine.config.max_model_len} tokens ({engine.k + 1} reserved for speculation): "
+                f"at most {room} new tokens fit",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         try:
             return [(prompt, params) for params in body.sampling_params(budget or max(room, 1), schema)]
         except ValueError as error:
@@ -130,8 +140,13 @@ def create_app(llm: LLM, model_name: str, draft: str | None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": server.created, "owned_by": "tandem",
-                "max_model_len": llm.engine.config.max_model_len}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "tandem",
+            "max_model_len": llm.engine.config.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
@@ -139,11 +154,15 @@ def create_app(llm: LLM, model_name: str, draft: str | None) -> FastAPI:
         body = await server.parse(request, ChatCompletionRequest)
         plan = tools.plan(body)
         try:
-            prompt = llm.chat_prompt([m.template_dict() for m in body.messages],
-                                     [tool.model_dump(exclude_none=True) for tool in plan.tools] or None)
+            prompt = llm.chat_prompt(
+                [m.template_dict() for m in body.messages],
+                [tool.model_dump(exclude_none=True) for tool in plan.tools] or None,
+            )
         except jinja2.TemplateError as error:
             raise invalid(f"the chat template cannot render these messages: {error}", param="messages") from None
-        generation = await server.start(server.jobs(body, prompt, plan.schema, "messages"), plan.schema_param, "messages")
+        generation = await server.start(
+            server.jobs(body, prompt, plan.schema, "messages"), plan.schema_param, "messages"
+        )
         ctx = server.context("chatcmpl")
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -196,8 +215,13 @@ def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _chat_stream(generation: Generation, ctx: responses.ResponseContext, prompt_tokens: int,
-                       plan: tools.ToolPlan, include_usage: bool) -> AsyncIterator[str]:
+async def _chat_stream(
+    generation: Generation,
+    ctx: responses.ResponseContext,
+    prompt_tokens: int,
+    plan: tools.ToolPlan,
+    include_usage: bool,
+) -> AsyncIterator[str]:
     """SSE chunks of a chat completion. Reasoning streams as it comes; so does the answer, except
     when it may be a tool call: then it is held until it starts a call, whose arguments then stream
     (`tools.CallStream`, where `plan.stream_calls`), or sent whole (as `tool_calls` or `content`) at the end."""
@@ -239,8 +263,9 @@ async def _chat_stream(generation: Generation, ctx: responses.ResponseContext, p
         generation.abort()
 
 
-async def _completion_stream(generation: Generation, ctx: responses.ResponseContext, prompt_tokens: int,
-                             include_usage: bool) -> AsyncIterator[str]:
+async def _completion_stream(
+    generation: Generation, ctx: responses.ResponseContext, prompt_tokens: int, include_usage: bool
+) -> AsyncIterator[str]:
     """SSE chunks of a text completion: each choice's answer (and reasoning) as it is generated."""
     outputs: list[RequestOutput] = []
     offsets = [0] * len(generation.jobs)  # text of each choice's tokens so far (legacy logprobs' text_offset)
@@ -250,7 +275,9 @@ async def _completion_stream(generation: Generation, ctx: responses.ResponseCont
                 logprobs = responses.completion_logprobs(ctx, event.delta.logprobs, offsets[event.index])
                 if logprobs is not None:
                     offsets[event.index] += sum(map(len, logprobs["tokens"]))
-                choice = responses.completion_choice(event.index, event.delta.text, event.delta.reasoning, None, logprobs)
+                choice = responses.completion_choice(
+                    event.index, event.delta.text, event.delta.reasoning, None, logprobs
+                )
             else:
                 outputs.append(event.output)
                 choice = responses.completion_choice(event.index, "", "", event.output.finish_reason)

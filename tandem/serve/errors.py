@@ -11,15 +11,22 @@ from typing import Any
 
 import pydantic
 
-from tandem.decoding.engine import PromptTooLongError
+from tandem.engine import PromptTooLongError
 from tandem.grammars.errors import GrammarError, GrammarRefused, InvalidGrammarSpec
 
 
 class APIError(Exception):
     """A request failure with its HTTP status; `param` names the request field at fault."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 

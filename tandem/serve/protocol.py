@@ -25,7 +25,9 @@ SEED_MODULUS = 2**63  # choice i of a seeded request samples with seed (seed + i
 # OpenAI fields that would change the output and that tandem does not implement, with the values
 # that ask for nothing (accepted, so that clients sending their defaults work).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
 }
 
 
@@ -116,8 +118,11 @@ class SamplingRequest(_Body):
         neutral = UNSUPPORTED[info.field_name]
         if value in neutral:
             return value
-        raise PydanticCustomError("unsupported_parameter", "tandem does not implement {field}; leave it out or send {ok}",
-                                  {"field": info.field_name, "ok": " or ".join(map(json.dumps, neutral[1:]))})
+        raise PydanticCustomError(
+            "unsupported_parameter",
+            "tandem does not implement {field}; leave it out or send {ok}",
+            {"field": info.field_name, "ok": " or ".join(map(json.dumps, neutral[1:]))},
+        )
 
     @field_validator("stop")
     @classmethod
@@ -147,11 +152,19 @@ class SamplingRequest(_Body):
         """One SamplingParams per choice; choice i of a seeded request uses seed + i."""
         return [
             SamplingParams(
-                temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=max(self.top_k, 0),
+                min_p=self.min_p,
                 seed=None if self.seed is None else (self.seed + i) % SEED_MODULUS,
-                max_tokens=max_tokens, stop=self.stop, json_schema=json_schema, logprobs=self.num_logprobs(),
-                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=self.repetition_penalty or 1.0, logit_bias=self.logit_bias or None,
+                max_tokens=max_tokens,
+                stop=self.stop,
+                json_schema=json_schema,
+                logprobs=self.num_logprobs(),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0,
+                logit_bias=self.logit_bias or None,
             )
             for i in range(self.n)
         ]

@@ -25,9 +25,9 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from tandem.decoding.engine import Engine
-from tandem.decoding.output import RequestOutput, StreamDelta
 from tandem.decoding.params import SamplingParams
+from tandem.engine import Engine
+from tandem.engine.output import RequestOutput, StreamDelta
 from tandem.grammars.compiler import CompileJob
 from tandem.serve.metrics import Metrics
 

@@ -1,12 +1,11 @@
-"""`tandem serve`: run the OpenAI-compatible server, and `ServerThread` to run it in-process.
+"""The app for a model (`build_app`), and `ServerThread` to serve it in-process.
 
 `ServerThread` serves an app with uvicorn on a background thread (tests, examples and the load
-benchmark use it); `run` is the command line's foreground server.
+benchmark use it); `tandem serve` (`tandem.cli.serve`) is the foreground server.
 """
 
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 
@@ -18,19 +17,13 @@ from tandem.assets import DEFAULT_MODEL
 STARTUP_TIMEOUT_S = 30.0
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="demo-deepseek, demo-llama or a local HF directory")
-    parser.add_argument("--draft", default="auto",
-                        help="auto (the model's best shipped draft), none, eagle, eagle3, mtp, ngram or a directory")
-    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
-    parser.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-
-
-def build_app(model: str = DEFAULT_MODEL, draft: str | None = "auto", num_speculative_tokens: int = 4,
-              served_model_name: str | None = None, max_num_seqs: int = 8) -> FastAPI:
+def build_app(
+    model: str = DEFAULT_MODEL,
+    draft: str | None = "auto",
+    num_speculative_tokens: int = 4,
+    served_model_name: str | None = None,
+    max_num_seqs: int = 8,
+) -> FastAPI:
     """Load the model (and its draft: "auto" = the best one available, None = plain decoding) and
     return the app serving it."""
     from tandem.llm import LLM, best_draft, resolve_model
@@ -39,13 +32,6 @@ def build_app(model: str = DEFAULT_MODEL, draft: str | None = "auto", num_specul
     draft = best_draft(resolve_model(model)) if draft == "auto" else draft
     llm = LLM(model, draft, num_speculative_tokens=num_speculative_tokens, max_num_seqs=max_num_seqs)
     return create_app(llm, served_model_name or model, draft)
-
-
-def run(args: argparse.Namespace) -> int:
-    draft = None if args.draft == "none" else args.draft
-    app = build_app(args.model, draft, args.num_speculative_tokens, args.served_model_name, args.max_num_seqs)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
-    return 0
 
 
 class ServerThread:

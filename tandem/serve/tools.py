@@ -66,8 +66,10 @@ def plan(request: ChatCompletionRequest) -> ToolPlan:
         named = [tool for tool in tools if tool.function.name == choice.function.name]
         if not named:
             offered = [tool.function.name for tool in tools]
-            raise invalid(f"tool_choice names function {choice.function.name!r}, which is not among tools {offered}",
-                          param="tool_choice")
+            raise invalid(
+                f"tool_choice names function {choice.function.name!r}, which is not among tools {offered}",
+                param="tool_choice",
+            )
         return ToolPlan(call_schema(named[0]), "tools", named, stream_calls=True)
     calls = [call_schema(tool) for tool in tools]
     if choice == "required":
@@ -86,11 +88,18 @@ def parse_call(answer: str, tools: list[Tool]) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     names = {tool.function.name for tool in tools}
-    if not (isinstance(call, dict) and set(call) == {"name", "arguments"} and call["name"] in names
-            and isinstance(call["arguments"], dict)):
+    if not (
+        isinstance(call, dict)
+        and set(call) == {"name", "arguments"}
+        and call["name"] in names
+        and isinstance(call["arguments"], dict)
+    ):
         return None
-    return {"id": _new_call_id(), "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+    return {
+        "id": _new_call_id(),
+        "type": "function",
+        "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+    }
 
 
 def _new_call_id() -> str:
@@ -145,17 +154,23 @@ class CallStream:
             compact += char
             if compact in self._heads:
                 self._args_start = end + 1
-                return [{"index": 0, "id": _new_call_id(), "type": "function",
-                         "function": {"name": self._heads[compact], "arguments": ""}}]
+                return [
+                    {
+                        "index": 0,
+                        "id": _new_call_id(),
+                        "type": "function",
+                        "function": {"name": self._heads[compact], "arguments": ""},
+                    }
+                ]
             if len(compact) >= self._longest_head:
                 break
         return []
 
     def _arguments(self) -> str:
-        return self._text[self._args_start:].lstrip()
+        return self._text[self._args_start :].lstrip()
 
     def _send(self, ready: str) -> list[dict[str, Any]]:
         if len(ready) <= self._sent:
             return []
-        piece, self._sent = ready[self._sent:], len(ready)
+        piece, self._sent = ready[self._sent :], len(ready)
         return [{"index": 0, "function": {"arguments": piece}}]

@@ -1,5 +1,5 @@
 """Straightforward per-row references for the acceptance rules, written from the spec
-(DESIGN.md, tandem/decoding/acceptance.py's docstring) with Python loops and float64."""
+(docs/DESIGN.md, tandem/decoding/acceptance.py's docstring) with Python loops and float64."""
 
 from __future__ import annotations
 
@@ -113,4 +113,6 @@ def assert_rate(successes: int, trials: int, expected: float, what: str) -> None
         assert successes == expected * trials, f"{what}: {successes}/{trials}, expected rate {expected}"
         return
     z = (successes - trials * expected) / math.sqrt(trials * expected * (1 - expected))
-    assert abs(z) < Z_CRIT, f"{what}: {successes}/{trials} = {successes / trials:.4f}, expected {expected:.4f} (z = {z:.1f})"
+    assert abs(z) < Z_CRIT, (
+        f"{what}: {successes}/{trials} = {successes / trials:.4f}, expected {expected:.4f} (z = {z:.1f})"
+    )

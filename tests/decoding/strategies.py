@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
+from tandem.core.bitmask import pack_bitmask
 from tandem.decoding import SamplingTensors
-from tandem.decoding.bitmask import pack_bitmask
 
 FILTERS = ("none", "temperature", "top_k", "top_p", "min_p")
 

@@ -14,8 +14,15 @@ VOCAB, K = 50, 4
 def _accept(rows, order):
     logits, drafts, q, bitmask, sampling, thinking = rows
     picked = SamplingTensors(*(getattr(sampling, f)[order] for f in ("temperature", "top_k", "top_p", "min_p", "seed")))
-    return accept(logits[order], drafts[order], draft_probs=q[order], sampling=picked, bitmask=bitmask[order],
-                  in_thinking=thinking[order], relaxed=RelaxedAcceptance())
+    return accept(
+        logits[order],
+        drafts[order],
+        draft_probs=q[order],
+        sampling=picked,
+        bitmask=bitmask[order],
+        in_thinking=thinking[order],
+        relaxed=RelaxedAcceptance(),
+    )
 
 
 def test_a_row_gets_the_same_tokens_whatever_else_is_in_the_batch_and_in_any_order():

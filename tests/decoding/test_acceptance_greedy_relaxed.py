@@ -4,9 +4,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.core.bitmask import pack_bitmask
+from tandem.core.rng import STREAM_ACCEPT, uniform
 from tandem.decoding import RelaxedAcceptance, SamplingTensors, accept
-from tandem.decoding.bitmask import pack_bitmask
-from tandem.decoding.rng import STREAM_ACCEPT, uniform
 
 from .reference import reference_greedy, reference_probs, reference_relaxed_ok
 from .strategies import random_allowed
@@ -26,8 +26,11 @@ def greedy_batch(draw):
         if draw(st.booleans()):  # some positions allow nothing
             allowed &= torch.rand(batch, k + 1, 1, generator=generator) > 0.2
     masked = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
-    drafts = torch.where(torch.rand(batch, k, generator=generator) < 0.7, masked[:, :k].argmax(-1),
-                         torch.randint(vocab_size, (batch, k), generator=generator))
+    drafts = torch.where(
+        torch.rand(batch, k, generator=generator) < 0.7,
+        masked[:, :k].argmax(-1),
+        torch.randint(vocab_size, (batch, k), generator=generator),
+    )
     return logits, drafts, allowed
 
 
@@ -63,10 +66,20 @@ def test_greedy_fast_path_equals_greedy_rows_of_a_mixed_batch(case):
     greedy = accept(logits, drafts, bitmask=_bitmask(allowed))
     # Greedy rows with filters set, plus one stochastic row that forces the general path.
     temperature = torch.cat([torch.zeros(batch), torch.ones(1)])
-    mixed = SamplingTensors(temperature, torch.full((batch + 1,), 3), torch.full((batch + 1,), 0.5),
-                            torch.full((batch + 1,), 0.1), torch.arange(batch + 1))
-    repeat_first = lambda t: None if t is None else torch.cat([t, t[:1]])
-    general = accept(repeat_first(logits), repeat_first(drafts), sampling=mixed, bitmask=repeat_first(_bitmask(allowed)))
+    mixed = SamplingTensors(
+        temperature,
+        torch.full((batch + 1,), 3),
+        torch.full((batch + 1,), 0.5),
+        torch.full((batch + 1,), 0.1),
+        torch.arange(batch + 1),
+    )
+
+    def repeat_first(t):
+        return None if t is None else torch.cat([t, t[:1]])
+
+    general = accept(
+        repeat_first(logits), repeat_first(drafts), sampling=mixed, bitmask=repeat_first(_bitmask(allowed))
+    )
     assert torch.equal(general.tokens[:batch], greedy.tokens)
     assert torch.equal(general.num_accepted[:batch], greedy.num_accepted)
     assert torch.equal(general.dead_end[:batch], greedy.dead_end)
@@ -80,8 +93,14 @@ def test_relaxed_rule_equals_reference(case, top_k, delta, stochastic):
     in_thinking = torch.rand(batch, k + 1, generator=torch.Generator().manual_seed(k)) < 0.7
     temperature = 1.0 if stochastic else 0.0
     sampling = SamplingTensors.full(batch, temperature=temperature, seed=torch.arange(batch))
-    result = accept(logits, drafts, sampling=sampling, bitmask=_bitmask(allowed), in_thinking=in_thinking,
-                    relaxed=RelaxedAcceptance(top_k=top_k, delta=delta))
+    result = accept(
+        logits,
+        drafts,
+        sampling=sampling,
+        bitmask=_bitmask(allowed),
+        in_thinking=in_thinking,
+        relaxed=RelaxedAcceptance(top_k=top_k, delta=delta),
+    )
     u = uniform(sampling.seed, STREAM_ACCEPT, torch.arange(k))  # the row rule's draws, by definition
     for b in range(batch):
         expected_n = k
@@ -90,13 +109,17 @@ def test_relaxed_rule_equals_reference(case, top_k, delta, stochastic):
             draft = int(drafts[b, j])
             p = reference_probs(logits[b, j], row_allowed, temperature=temperature)
             own_ok = p is not None and p[draft] > 0 and float(u[b, j]) <= p[draft]
-            relaxed_ok = bool(in_thinking[b, j]) and reference_relaxed_ok(logits[b, j], draft, row_allowed, top_k, delta)
+            relaxed_ok = bool(in_thinking[b, j]) and reference_relaxed_ok(
+                logits[b, j], draft, row_allowed, top_k, delta
+            )
             if not (own_ok or relaxed_ok):
                 expected_n = j
                 break
         assert int(result.num_accepted[b]) == expected_n, f"row {b}"
         if expected_n < k and not bool(result.dead_end[b]) and not stochastic:
-            p = reference_probs(logits[b, expected_n], None if allowed is None else allowed[b, expected_n], temperature=0)
+            p = reference_probs(
+                logits[b, expected_n], None if allowed is None else allowed[b, expected_n], temperature=0
+            )
             assert int(result.tokens[b, expected_n]) == int(p.argmax())  # rejection emits the row rule's token
 
 
@@ -106,8 +129,9 @@ def test_relaxed_with_top1_and_zero_delta_equals_greedy(case):
     logits, drafts, allowed = case
     batch, k = drafts.shape
     thinking = torch.ones(batch, k + 1, dtype=torch.bool)
-    relaxed = accept(logits, drafts, bitmask=_bitmask(allowed), in_thinking=thinking,
-                     relaxed=RelaxedAcceptance(top_k=1, delta=0.0))
+    relaxed = accept(
+        logits, drafts, bitmask=_bitmask(allowed), in_thinking=thinking, relaxed=RelaxedAcceptance(top_k=1, delta=0.0)
+    )
     greedy = accept(logits, drafts, bitmask=_bitmask(allowed))
     assert torch.equal(relaxed.tokens, greedy.tokens)
 
@@ -118,8 +142,13 @@ def test_relaxed_never_accepts_fewer_than_greedy_nor_a_masked_token(case, top_k,
     logits, drafts, allowed = case
     batch, k = drafts.shape
     thinking = torch.ones(batch, k + 1, dtype=torch.bool)
-    relaxed = accept(logits, drafts, bitmask=_bitmask(allowed), in_thinking=thinking,
-                     relaxed=RelaxedAcceptance(top_k=top_k, delta=delta))
+    relaxed = accept(
+        logits,
+        drafts,
+        bitmask=_bitmask(allowed),
+        in_thinking=thinking,
+        relaxed=RelaxedAcceptance(top_k=top_k, delta=delta),
+    )
     greedy = accept(logits, drafts, bitmask=_bitmask(allowed))
     assert (relaxed.num_accepted >= greedy.num_accepted).all()
     if allowed is not None:
@@ -154,8 +183,11 @@ def test_a_position_with_no_finite_logit_is_a_dead_end_even_without_a_mask():
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p_with_ties_broken_by_lower_id():
     logits = torch.tensor([[0.0, 0.0, float("-inf")]]).expand(1000, -1)  # p = [0.5, 0.5, 0] exactly
-    tokens = accept(logits[:, None], torch.empty(1000, 0, dtype=torch.int64),
-                    sampling=SamplingTensors.full(1000, top_p=0.5, seed=torch.arange(1000))).tokens[:, 0]
+    tokens = accept(
+        logits[:, None],
+        torch.empty(1000, 0, dtype=torch.int64),
+        sampling=SamplingTensors.full(1000, top_p=0.5, seed=torch.arange(1000)),
+    ).tokens[:, 0]
     assert (tokens == 0).all()
 
 

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.core.bitmask import pack_bitmask
 from tandem.decoding import SamplingTensors, accept, sample
-from tandem.decoding.bitmask import pack_bitmask
 
 from .reference import assert_distributed_as, assert_rate, reference_probs
 from .strategies import filter_settings, random_allowed
@@ -99,15 +99,24 @@ def test_a_forbidden_draft_is_always_rejected_and_emitted_tokens_are_allowed():
     allowed = random_allowed(generator, (rows, k + 1, vocab_size), density=0.3)
     q = torch.randn(rows, k, vocab_size, generator=generator).softmax(-1)
     drafts = torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(rows, k)
-    result = accept(logits, drafts, draft_probs=q, bitmask=pack_bitmask(allowed),
-                    sampling=SamplingTensors.full(rows, seed=torch.arange(rows)))
+    result = accept(
+        logits,
+        drafts,
+        draft_probs=q,
+        bitmask=pack_bitmask(allowed),
+        sampling=SamplingTensors.full(rows, seed=torch.arange(rows)),
+    )
     draft_allowed = allowed[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
     positions = torch.arange(k)
     accepted = positions < result.num_accepted[:, None]
     assert draft_allowed[accepted].all()
     emitted = result.tokens.gather(1, result.num_accepted[:, None])
-    assert allowed.gather(1, result.num_accepted[:, None, None].expand(-1, 1, vocab_size)).squeeze(1).gather(
-        -1, emitted).all()
+    assert (
+        allowed.gather(1, result.num_accepted[:, None, None].expand(-1, 1, vocab_size))
+        .squeeze(1)
+        .gather(-1, emitted)
+        .all()
+    )
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])

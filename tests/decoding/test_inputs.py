@@ -29,7 +29,10 @@ def _call(**overrides):
     [
         ({"target_logits": torch.zeros(B, V)}, r"target_logits must have shape \[\*, \*, \*\], got \[2, 40\]"),
         ({"target_logits": torch.zeros(B, K + 1, V, dtype=torch.int64)}, "target_logits must be float32 or bfloat16"),
-        ({"draft_tokens": torch.zeros(B, K + 1, dtype=torch.int64)}, r"draft_tokens must have shape \[2, 3\], got \[2, 4\]"),
+        (
+            {"draft_tokens": torch.zeros(B, K + 1, dtype=torch.int64)},
+            r"draft_tokens must have shape \[2, 3\], got \[2, 4\]",
+        ),
         ({"draft_tokens": torch.zeros(B, K, dtype=torch.int32)}, "draft_tokens must be int64, got int32"),
         ({"draft_probs": torch.zeros(B, K, V + 1)}, r"draft_probs must have shape \[2, 3, 40\]"),
         ({"bitmask": torch.zeros(B, K + 1, 1, dtype=torch.int32)}, r"bitmask must have shape \[2, 4, 2\]"),
@@ -39,8 +42,10 @@ def _call(**overrides):
         ({"sampling": SamplingTensors.greedy(B + 1)}, "sampling has 3 rows, the logits have 2"),
         ({"sampling": "greedy"}, "sampling must be a SamplingTensors or None, got str"),
         ({"relaxed": 0.6}, "relaxed must be a RelaxedAcceptance or None, got float"),
-        ({"target_logits": torch.zeros(B, 0, V), "draft_tokens": torch.zeros(B, 0, dtype=torch.int64)},
-         "k\\+1 >= 1 positions"),
+        (
+            {"target_logits": torch.zeros(B, 0, V), "draft_tokens": torch.zeros(B, 0, dtype=torch.int64)},
+            "k\\+1 >= 1 positions",
+        ),
         ({"target_logits": torch.zeros(B, K + 1, 0)}, "vocabulary of V >= 1 tokens"),
         ({"backend": "cuda"}, "backend must be 'auto', 'torch' or 'triton', got 'cuda'"),
     ],

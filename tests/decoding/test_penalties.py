@@ -35,15 +35,19 @@ row_params = st.builds(
     presence_penalty=st.sampled_from([0.0, 0.5, -1.0, 2.0]),
     frequency_penalty=st.sampled_from([0.0, 0.3, -0.7, 2.0]),
     repetition_penalty=st.sampled_from([1.0, 1.3, 0.8]),
-    logit_bias=st.none() | st.dictionaries(st.integers(0, VOCAB - 1), st.sampled_from([-100.0, -2.5, 3.0, 4]), max_size=3),
+    logit_bias=st.none()
+    | st.dictionaries(st.integers(0, VOCAB - 1), st.sampled_from([-100.0, -2.5, 3.0, 4]), max_size=3),
 )
 token_lists = st.lists(st.integers(0, VOCAB - 1), max_size=8)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    rows=st.lists(st.tuples(row_params, token_lists, token_lists, st.lists(st.integers(-1, VOCAB - 1), min_size=3,
-                                                                          max_size=3)), min_size=1, max_size=4),
+    rows=st.lists(
+        st.tuples(row_params, token_lists, token_lists, st.lists(st.integers(-1, VOCAB - 1), min_size=3, max_size=3)),
+        min_size=1,
+        max_size=4,
+    ),
     seed=st.integers(0, 2**16),
 )
 def test_every_position_counts_the_output_and_the_drafts_before_it(rows, seed):
@@ -54,8 +58,9 @@ def test_every_position_counts_the_output_and_the_drafts_before_it(rows, seed):
     for b in range(len(rows)):
         for j in range(4):
             before = outputs[b] + [d for d in drafts[b][:j] if d >= 0]
-            torch.testing.assert_close(adjusted[b, j], reference(logits[b, j], params[b], prompts[b], before),
-                                       rtol=1e-6, atol=1e-5)
+            torch.testing.assert_close(
+                adjusted[b, j], reference(logits[b, j], params[b], prompts[b], before), rtol=1e-6, atol=1e-5
+            )
 
 
 @settings(max_examples=40, deadline=None)
@@ -80,7 +85,8 @@ def test_repetition_penalty_agrees_with_transformers():
     generator = torch.Generator().manual_seed(0)
     logits, prompt, output = torch.randn(1, 1, 64, generator=generator) * 4, [3, 5, 5, 9], [9, 12, 40]
     ours = LogitAdjustments.build([SamplingParams(repetition_penalty=1.7)], [prompt], [output], 64).apply(
-        logits, torch.empty(1, 0, dtype=torch.int64))
+        logits, torch.empty(1, 0, dtype=torch.int64)
+    )
     hf = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits[:, 0].clone())
     torch.testing.assert_close(ours[:, 0], hf, rtol=0, atol=0)
 
@@ -94,10 +100,16 @@ def test_rows_without_adjustments_keep_their_values_beside_rows_with_them():
     assert not torch.equal(adjusted[1], logits[1])
 
 
-@pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0),
-    ("logit_bias", {5: 101}), ("logit_bias", {-1: 1.0}),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0.0),
+        ("logit_bias", {5: 101}),
+        ("logit_bias", {-1: 1.0}),
+    ],
+)
 def test_out_of_range_settings_are_named(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})

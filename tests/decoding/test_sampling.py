@@ -8,9 +8,9 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from tandem.core.bitmask import pack_bitmask
 from tandem.decoding import PLACEHOLDER_TOKEN_ID, SamplingTensors, accept, sample
 from tandem.decoding import sampling as sampling_module
-from tandem.decoding.bitmask import pack_bitmask
 from tandem.decoding.sampling import mask_logits, target_probs
 
 from .reference import assert_distributed_as, reference_probs
@@ -87,10 +87,16 @@ def test_sample_equals_accept_without_drafts():
     logits = torch.randn(rows, vocab_size, generator=generator)
     bitmask = pack_bitmask(random_allowed(generator, (rows, vocab_size)))
     temperature = torch.where(torch.arange(rows) % 3 == 0, 0.0, 0.8)
-    sampling = SamplingTensors(temperature, torch.zeros(rows, dtype=torch.int64), torch.full((rows,), 0.9),
-                               torch.zeros(rows), torch.arange(rows))
-    result = accept(logits[:, None], torch.empty(rows, 0, dtype=torch.int64), sampling=sampling,
-                    bitmask=bitmask[:, None])
+    sampling = SamplingTensors(
+        temperature,
+        torch.zeros(rows, dtype=torch.int64),
+        torch.full((rows,), 0.9),
+        torch.zeros(rows),
+        torch.arange(rows),
+    )
+    result = accept(
+        logits[:, None], torch.empty(rows, 0, dtype=torch.int64), sampling=sampling, bitmask=bitmask[:, None]
+    )
     assert torch.equal(sample(logits, sampling, bitmask), result.tokens[:, 0])
 
 
@@ -101,8 +107,9 @@ def test_sample_never_emits_a_forbidden_token_and_marks_dead_ends(temperature):
     logits = torch.randn(rows, vocab_size, generator=generator) * 4
     allowed = random_allowed(generator, (rows, vocab_size), density=0.05)
     allowed[::7] = False  # dead ends
-    tokens = sample(logits, SamplingTensors.full(rows, temperature=temperature, seed=torch.arange(rows)),
-                    pack_bitmask(allowed))
+    tokens = sample(
+        logits, SamplingTensors.full(rows, temperature=temperature, seed=torch.arange(rows)), pack_bitmask(allowed)
+    )
     dead = ~allowed.any(-1)
     assert (tokens[dead] == PLACEHOLDER_TOKEN_ID).all()
     live = tokens[~dead]

@@ -11,8 +11,11 @@ from tandem.demo.train import SETTINGS_FILE
 
 TARGETS = {"llama": (DEMO_LLAMA_DIR, LlamaForCausalLM), "deepseek": (DEMO_DEEPSEEK_DIR, DeepseekV3ForCausalLM)}
 MAX_ASSETS_BYTES = 40 * 2**20
-DRAFT_RECORDS = {"eagle3": ASSETS_DIR / "demo-llama-eagle3" / SETTINGS_FILE, "eagle": ASSETS_DIR / "demo-llama-eagle" / SETTINGS_FILE,
-                 "mtp": DEMO_DEEPSEEK_DIR / "tandem_mtp.json"}
+DRAFT_RECORDS = {
+    "eagle3": ASSETS_DIR / "demo-llama-eagle3" / SETTINGS_FILE,
+    "eagle": ASSETS_DIR / "demo-llama-eagle" / SETTINGS_FILE,
+    "mtp": DEMO_DEEPSEEK_DIR / "tandem_mtp.json",
+}
 
 
 @pytest.fixture(scope="module", params=sorted(TARGETS))
@@ -23,7 +26,9 @@ def target(request):
 
 
 def test_assets_fit_the_size_budget():
-    total = sum(path.stat().st_size for path in ASSETS_DIR.rglob("*") if path.is_file() and "__pycache__" not in path.parts)
+    total = sum(
+        path.stat().st_size for path in ASSETS_DIR.rglob("*") if path.is_file() and "__pycache__" not in path.parts
+    )
     assert total <= MAX_ASSETS_BYTES, f"assets take {total / 2**20:.1f} MiB"
 
 

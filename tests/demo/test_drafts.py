@@ -14,8 +14,11 @@ from tandem.demo.train import SETTINGS_FILE, encode_chat, target_config
 from tandem.models.base import ForwardBatch
 from tandem.models.loading import load_draft, load_target
 
-TARGET_KIND = {"eagle3": ("llama", LlamaForCausalLM), "eagle": ("llama", LlamaForCausalLM),
-               "mtp": ("deepseek", DeepseekV3ForCausalLM)}
+TARGET_KIND = {
+    "eagle3": ("llama", LlamaForCausalLM),
+    "eagle": ("llama", LlamaForCausalLM),
+    "mtp": ("deepseek", DeepseekV3ForCausalLM),
+}
 HIDDEN_KIND = {"eagle3": "aux", "eagle": "last", "mtp": "last"}  # what each loaded draft reads from the target
 
 
@@ -53,8 +56,9 @@ def test_ttt_depth_d_equals_the_loaded_draft_chained_d_steps(saved_pair):
     ids = encode_chat(tokenizer, generate_examples(1, seed=3)[0])[0][:40]
     input_ids = torch.tensor([ids])
     _, ttt = ttt_forward(head, hf_target, input_ids, torch.ones_like(input_ids))
-    out = target.forward(ForwardBatch.from_rows([ids], [0], [0]), target.new_cache(1, 64), return_hidden=True,
-                         return_aux=True)
+    out = target.forward(
+        ForwardBatch.from_rows([ids], [0], [0]), target.new_cache(1, 64), return_hidden=True, return_aux=True
+    )
     first = draft.fc(out.aux_hidden) if kind == "eagle3" else out.hidden  # depth-0 hidden at each position
 
     def log_probs(g):
@@ -67,8 +71,9 @@ def test_ttt_depth_d_equals_the_loaded_draft_chained_d_steps(saved_pair):
             g = draft.step(ForwardBatch.from_rows([ids[1 : committed + 1]], [1], [0]), first[:committed], cache)[-1:]
             for position in range(committed + 1, committed + depth + 1):  # the chained steps, true tokens
                 g = draft.step(ForwardBatch.from_rows([[ids[position]]], [position], [0]), g, cache)
-            torch.testing.assert_close(log_probs(g), ttt[depth][0, pair], atol=2e-4, rtol=1e-4,
-                                       msg=f"{kind} depth {depth} pair {pair}")
+            torch.testing.assert_close(
+                log_probs(g), ttt[depth][0, pair], atol=2e-4, rtol=1e-4, msg=f"{kind} depth {depth} pair {pair}"
+            )
 
 
 @pytest.mark.parametrize("draft", sorted(DRAFT_TARGETS))

@@ -24,17 +24,20 @@ def test_special_tokens_are_single_ids_in_order(tokenizer):
 
 
 def test_think_markers_in_text_encode_to_their_ids(tokenizer):
-    ids = tokenizer.encode("plan it<think>a\n</think>{\"a\": 1}", add_special_tokens=False)
+    ids = tokenizer.encode('plan it<think>a\n</think>{"a": 1}', add_special_tokens=False)
     opening, closing = tokenizer.convert_tokens_to_ids([THINK_OPEN, THINK_CLOSE])
     assert ids.count(opening) == 1 and ids.count(closing) == 1
 
 
-@pytest.mark.parametrize("text", [
-    '{"name": "get_weather", "arguments": {"city": "São Paulo", "days": 3}}',
-    '{"a": [1, 2.50, -3e4, null, true], "b": "tab\\there \\"q\\" \\u00e9"}',
-    "  leading spaces,\n\nnew lines\r\n and trailing  ",
-    "emoji 🙂 and 中文 and 1234567890",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "get_weather", "arguments": {"city": "São Paulo", "days": 3}}',
+        '{"a": [1, 2.50, -3e4, null, true], "b": "tab\\there \\"q\\" \\u00e9"}',
+        "  leading spaces,\n\nnew lines\r\n and trailing  ",
+        "emoji 🙂 and 中文 and 1234567890",
+    ],
+)
 def test_text_round_trips(tokenizer, text):
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
@@ -42,8 +45,9 @@ def test_text_round_trips(tokenizer, text):
 def test_corpus_chats_round_trip_and_prompt_is_a_token_prefix(tokenizer):
     for example in generate_examples(40, seed=9):
         full = tokenizer.apply_chat_template(example.chat(), tools=example.tools, tokenize=False)
-        prompt = tokenizer.apply_chat_template(example.messages, tools=example.tools, tokenize=False,
-                                               add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            example.messages, tools=example.tools, tokenize=False, add_generation_prompt=True
+        )
         assert full.startswith(prompt)
         full_ids = tokenizer.encode(full, add_special_tokens=False)
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
@@ -52,13 +56,15 @@ def test_corpus_chats_round_trip_and_prompt_is_a_token_prefix(tokenizer):
 
 
 def test_generation_prompt_ends_inside_thinking(tokenizer):
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                        return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_dict=False
+    )
     think_open = tokenizer.convert_tokens_to_ids(THINK_OPEN)
     assert ids[0] == tokenizer.bos_token_id
     assert ids[-2] == think_open and tokenizer.decode(ids[-1:]) == "\n"
     assert THINK_OPEN not in tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=False)
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=False
+    )
 
 
 def test_chat_template_renders_system_tools_reasoning_and_tool_calls(tokenizer):
@@ -66,8 +72,12 @@ def test_chat_template_renders_system_tools_reasoning_and_tool_calls(tokenizer):
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "call f"},
-        {"role": "assistant", "reasoning_content": "use f", "content": "",
-         "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {
+            "role": "assistant",
+            "reasoning_content": "use f",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}],
+        },
     ]
     text = tokenizer.apply_chat_template(messages, tools=[tool], tokenize=False)
     system = text.split("<|eot_id|>")[0]

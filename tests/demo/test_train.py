@@ -11,7 +11,15 @@ from tandem.assets import TOKENIZER_DIR
 from tandem.demo.corpus import generate_examples
 from tandem.demo.evaluate import split_completion
 from tandem.demo.tokenizer import EOT, THINK_CLOSE
-from tandem.demo.train import IGNORE_INDEX, SETTINGS_FILE, TrainSettings, encode_chat, iter_batches, target_config, train_model
+from tandem.demo.train import (
+    IGNORE_INDEX,
+    SETTINGS_FILE,
+    TrainSettings,
+    encode_chat,
+    iter_batches,
+    target_config,
+    train_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +31,7 @@ def test_labels_cover_exactly_the_assistant_turn(tokenizer):
     example = generate_examples(1, seed=4)[0]
     ids, labels = encode_chat(tokenizer, example)
     scored = [token for token, label in zip(ids, labels) if label != IGNORE_INDEX]
-    assert scored == labels[len(ids) - len(scored):], "loss positions must be one suffix"
+    assert scored == labels[len(ids) - len(scored) :], "loss positions must be one suffix"
     assert tokenizer.decode(scored) == f"{example.reasoning}\n{THINK_CLOSE}{example.answer_text}{EOT}"
     assert tokenizer.decode(ids[: len(ids) - len(scored)]).endswith("<think>\n")
 
@@ -45,8 +53,9 @@ def test_training_loop_lowers_the_loss_on_a_fixed_batch(tokenizer, kind):
     model_class = LlamaForCausalLM if kind == "llama" else DeepseekV3ForCausalLM
     model = model_class(target_config(kind, tokenizer, "tiny"))
     batch = next(iter_batches(tokenizer, 2, seed=0))
-    losses = train_model(model, iter(lambda: batch, None), TrainSettings(steps=15, warmup_steps=2, lr=1e-2),
-                         desc=f"overfit {kind}")
+    losses = train_model(
+        model, iter(lambda: batch, None), TrainSettings(steps=15, warmup_steps=2, lr=1e-2), desc=f"overfit {kind}"
+    )
     assert losses[-1] < 0.7 * losses[0]
 
 
@@ -68,8 +77,21 @@ def test_split_completion_accepts_only_reasoning_close_json_eot():
 
 
 def test_tiny_train_demo_run_writes_a_loadable_hf_directory(tmp_path):
-    argv = ["train-demo", "--out", str(tmp_path), "--size", "tiny", "--steps", "2", "--batch-size", "2",
-            "--eval-examples", "2", "--only", "llama"]
+    argv = [
+        "train-demo",
+        "--out",
+        str(tmp_path),
+        "--size",
+        "tiny",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--eval-examples",
+        "2",
+        "--only",
+        "llama",
+    ]
     assert cli.main(argv) == 0
     directory = tmp_path / "demo-llama"
     model = AutoModelForCausalLM.from_pretrained(directory)

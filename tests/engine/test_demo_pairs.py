@@ -1,6 +1,7 @@
-"""Every target/draft pair on the shipped demo models, fp32: speculative greedy output equals plain greedy
-output token for token, log-probabilities included (batch 1 and 8, with and without a JSON schema), the trained drafts are
-actually accepted, and `</think>` inside an accepted draft run splits reasoning and answer right."""
+"""Every target/draft pair on the shipped demo models, fp32: speculative greedy output equals plain
+greedy output token for token, log-probabilities included (batch 1 and 8, with and without a JSON
+schema), the trained drafts are actually accepted, and `</think>` inside an accepted draft run splits
+reasoning and answer right."""
 
 import json
 
@@ -10,10 +11,10 @@ import torch
 from transformers import AutoTokenizer
 
 from tandem.assets import ASSETS_DIR
-from tandem.decoding import engine as engine_module
-from tandem.decoding.bitmask import token_allowed
+from tandem.core.bitmask import token_allowed
 from tandem.decoding.params import SamplingParams
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
+from tandem.engine import engine as engine_module
 from tandem.llm import LLM
 from tests.engine.test_logprobs import assert_same_logprobs
 from tests.models.test_eagle3 import write_eagle3
@@ -22,8 +23,14 @@ EXAMPLES = generate_examples(8, seed=11, split="heldout")
 MAX_TOKENS = 64
 # (target, draft): every shipped draft, the model-free baseline, and an EAGLE-3 draft (random weights)
 # next to the MLA + MoE target, as the Kimi-K2.5 drafts are.
-PAIRS = [("demo-llama", "eagle3"), ("demo-llama", "eagle"), ("demo-llama", "ngram"), ("demo-deepseek", "mtp"),
-         ("demo-deepseek", "ngram"), ("demo-deepseek", "random-eagle3")]
+PAIRS = [
+    ("demo-llama", "eagle3"),
+    ("demo-llama", "eagle"),
+    ("demo-llama", "ngram"),
+    ("demo-deepseek", "mtp"),
+    ("demo-deepseek", "ngram"),
+    ("demo-deepseek", "random-eagle3"),
+]
 TRAINED = {("demo-llama", "eagle3"), ("demo-llama", "eagle"), ("demo-deepseek", "mtp")}
 
 
@@ -32,8 +39,14 @@ def random_eagle3(tmp_path_factory):
     """An EAGLE-3 checkpoint for demo-deepseek (its hidden size and vocab, reduced draft vocab with d2t)."""
     path = tmp_path_factory.mktemp("eagle3-for-deepseek")
     config = json.loads((ASSETS_DIR / "demo-deepseek" / "config.json").read_text())
-    write_eagle3(path, hidden=config["hidden_size"], inter=384, vocab=config["vocab_size"], draft_vocab=1024,
-                 arch="Eagle3DeepseekV2ForCausalLM")
+    write_eagle3(
+        path,
+        hidden=config["hidden_size"],
+        inter=384,
+        vocab=config["vocab_size"],
+        draft_vocab=1024,
+        arch="Eagle3DeepseekV2ForCausalLM",
+    )
     return path
 
 
@@ -59,8 +72,12 @@ def generate(llm: LLM, batch: int, schema: bool, adjustments: list[dict] | None 
     for first in range(0, len(examples), batch):
         ids = []
         for i, example in enumerate(examples[first : first + batch], start=first):
-            params = SamplingParams(max_tokens=MAX_TOKENS, logprobs=1, **adjustments[i % len(adjustments)],
-                                    json_schema=TASK_FAMILIES[example.family].schema if schema else None)
+            params = SamplingParams(
+                max_tokens=MAX_TOKENS,
+                logprobs=1,
+                **adjustments[i % len(adjustments)],
+                json_schema=TASK_FAMILIES[example.family].schema if schema else None,
+            )
             ids.append(engine.add_request(llm.chat_prompt(example.messages, example.tools), params))
         while engine.has_unfinished():
             engine.step()
@@ -85,8 +102,12 @@ def test_speculative_greedy_equals_plain_greedy_token_for_token(llms, pair, batc
 
 # Both demo models share the tokenizer; the biased tokens are ones their answers use.
 _TOKEN = AutoTokenizer.from_pretrained(ASSETS_DIR / "tokenizer").convert_tokens_to_ids
-PENALTIES = [{"frequency_penalty": 0.8}, {"repetition_penalty": 1.3}, {},
-             {"presence_penalty": 1.5, "logit_bias": {_TOKEN("positive"): 4.0, _TOKEN('"}'): -100.0}}]
+PENALTIES = [
+    {"frequency_penalty": 0.8},
+    {"repetition_penalty": 1.3},
+    {},
+    {"presence_penalty": 1.5, "logit_bias": {_TOKEN("positive"): 4.0, _TOKEN('"}'): -100.0}},
+]
 
 
 @pytest.mark.parametrize("schema", [False, True], ids=["free", "schema"])
@@ -154,7 +175,7 @@ def test_verify_masks_come_from_the_draft_walk_and_equal_a_fresh_fill(llms, pair
     """A step whose rows all verify the drafts their grammar walk went through takes its masks from
     that walk (no pipeline job); they equal, bit for bit, what `fill` builds from scratch."""
     engine = llms(*pair).engine
-    submit_masks, submit_job = engine._submit_masks, engine.mask_pipeline.submit
+    submit_masks, submit_job = engine.step_masks.submit, engine.mask_pipeline.submit
     reused, jobs = 0, 0
 
     def checked_masks(rows, drafts):
@@ -173,7 +194,7 @@ def test_verify_masks_come_from_the_draft_walk_and_equal_a_fresh_fill(llms, pair
         jobs += 1
         return submit_job(*args)
 
-    monkeypatch.setattr(engine, "_submit_masks", checked_masks)
+    monkeypatch.setattr(engine.step_masks, "submit", checked_masks)
     monkeypatch.setattr(engine.mask_pipeline, "submit", counted_job)
     generate(llms(*pair), 8, True)
     assert reused > 3 * jobs > 0, (reused, jobs)  # jobs: the prefill, and steps whose drafts were cut
@@ -183,8 +204,10 @@ def test_think_end_inside_an_accepted_draft_run_splits_reasoning_and_answer(llms
     llm = llms("demo-llama", "eagle3")
     close = llm.tokenizer.convert_tokens_to_ids("</think>")
     engine = llm.engine
-    ids = [engine.add_request(llm.chat_prompt(ex.messages, ex.tools), SamplingParams(max_tokens=MAX_TOKENS))
-           for ex in EXAMPLES]
+    ids = [
+        engine.add_request(llm.chat_prompt(ex.messages, ex.tools), SamplingParams(max_tokens=MAX_TOKENS))
+        for ex in EXAMPLES
+    ]
     mid_run = 0
     while engine.has_unfinished():
         for delta in engine.step():
@@ -192,6 +215,7 @@ def test_think_end_inside_an_accepted_draft_run_splits_reasoning_and_answer(llms
                 mid_run += 1
                 assert delta.reasoning and delta.text
     assert mid_run > 0, "no step accepted a run across </think>: the check did not run"
+
     def decode(token_ids):
         return llm.tokenizer.decode(token_ids, skip_special_tokens=True)
 

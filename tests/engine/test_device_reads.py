@@ -22,8 +22,11 @@ def _device_reads(engine) -> list[str]:
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message):
-            frames = [f"{f.filename}:{f.lineno}" for f in reversed(traceback.extract_stack()[:-1])
-                      if not f.filename.endswith("warnings.py")]
+            frames = [
+                f"{f.filename}:{f.lineno}"
+                for f in reversed(traceback.extract_stack()[:-1])
+                if not f.filename.endswith("warnings.py")
+            ]
             reads.append(" <- ".join(frames[:8]))
 
     torch.cuda.set_sync_debug_mode("warn")  # outside the recording: torch may warn here, before the step
@@ -38,14 +41,17 @@ def _device_reads(engine) -> list[str]:
 
 
 # fp32 Llama; DeepSeek in bf16, where the MoE takes grouped matmuls (its fp32 loop reads group sizes)
-@pytest.mark.parametrize("model, draft, dtype", [("demo-llama", "eagle3", torch.float32),
-                                                 ("demo-deepseek", "mtp", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "model, draft, dtype", [("demo-llama", "eagle3", torch.float32), ("demo-deepseek", "mtp", torch.bfloat16)]
+)
 @pytest.mark.parametrize("batch", [1, 4])
 def test_a_speculative_step_reads_the_device_twice(model, draft, dtype, batch):
     llm = LLM(model, draft, num_speculative_tokens=4, device="cuda", dtype=dtype, max_num_seqs=batch)
     engine = llm.engine
     for example in generate_examples(batch, seed=3, split="heldout"):
-        engine.add_request(chat_prompt_ids(llm.tokenizer, example.messages, example.tools), SamplingParams(max_tokens=64))
+        engine.add_request(
+            chat_prompt_ids(llm.tokenizer, example.messages, example.tools), SamplingParams(max_tokens=64)
+        )
     engine.step()  # prefill and first proposals
     engine.step()  # first speculative step: allocations and caches warm
     for _ in range(3):

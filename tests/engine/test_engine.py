@@ -4,19 +4,32 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from tandem.decoding.engine import SMALL_STEP_TOKENS, Engine, EngineConfig, PromptTooLongError
 from tandem.decoding.params import SamplingParams
+from tandem.engine import Engine, EngineConfig, PromptTooLongError
+from tandem.engine.engine import SMALL_STEP_TOKENS
 
 from .conftest import LLAMA_DRAFTS
 
-PROMPTS = ["hello world", "the weather in Paris is", "x", '{"name": "get_weather", "arguments": {"city": "',
-           "1 2 3 1 2 3 1 2", "Book a table for two", "<think>\nok", "convert 5 km"]
+PROMPTS = [
+    "hello world",
+    "the weather in Paris is",
+    "x",
+    '{"name": "get_weather", "arguments": {"city": "',
+    "1 2 3 1 2 3 1 2",
+    "Book a table for two",
+    "<think>\nok",
+    "convert 5 km",
+]
 
 
 def run(target, draft, tokenizer, prompts, params, *, k=4, max_num_seqs=8, max_model_len=160):
     """Generate with a fresh engine; params may be one SamplingParams or one per prompt."""
-    engine = Engine(target, draft, tokenizer, EngineConfig(num_speculative_tokens=k, max_num_seqs=max_num_seqs,
-                                                           max_model_len=max_model_len))
+    engine = Engine(
+        target,
+        draft,
+        tokenizer,
+        EngineConfig(num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=max_model_len),
+    )
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     ids = [engine.add_request(tokenizer.encode(p, add_special_tokens=False), q) for p, q in zip(prompts, per_prompt)]
     while engine.has_unfinished():
@@ -30,7 +43,7 @@ def test_plain_greedy_equals_transformers_generate(llama_dirs, llama_target, tok
     for prompt, output in zip(PROMPTS[:3], outputs):
         ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)])
         expected = reference.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert output.token_ids == expected[0, ids.shape[1]:].tolist()
+        assert output.token_ids == expected[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("draft", LLAMA_DRAFTS)
@@ -50,28 +63,40 @@ def test_ngram_drafts_are_accepted_on_repetitive_text(llama_target, llama_drafts
     assert max(o.stats.mean_accepted_length for o in outputs) > 1.5
 
 
-@pytest.mark.parametrize("adjust", [{}, {"frequency_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {7: 2.0}}],
-                         ids=["plain", "penalties"])
+@pytest.mark.parametrize(
+    "adjust",
+    [{}, {"frequency_penalty": 0.5, "repetition_penalty": 1.2, "logit_bias": {7: 2.0}}],
+    ids=["plain", "penalties"],
+)
 @pytest.mark.parametrize("draft", [None, "ngram"])
-def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llama_target, llama_drafts, tokenizer, draft,
-                                                                       adjust):
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(
+    llama_target, llama_drafts, tokenizer, draft, adjust
+):
     model = None if draft is None else llama_drafts[draft]
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, **adjust)
     alone = run(llama_target, model, tokenizer, PROMPTS[1:2], params)[0]
     again = run(llama_target, model, tokenizer, PROMPTS[1:2], params)[0]
     others = [SamplingParams(temperature=1.0, seed=s, max_tokens=10 + s) for s in range(7)]
-    crowded = run(llama_target, model, tokenizer, PROMPTS[:1] + PROMPTS[1:2] + PROMPTS[2:8],
-                  [others[0], params, *others[1:]])[1]
+    crowded = run(
+        llama_target, model, tokenizer, PROMPTS[:1] + PROMPTS[1:2] + PROMPTS[2:8], [others[0], params, *others[1:]]
+    )[1]
     assert alone.token_ids == again.token_ids == crowded.token_ids
-    different = run(llama_target, model, tokenizer, PROMPTS[1:2], SamplingParams(temperature=0.9, top_p=0.95, seed=99,
-                                                                             max_tokens=24))[0]
+    different = run(
+        llama_target,
+        model,
+        tokenizer,
+        PROMPTS[1:2],
+        SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=24),
+    )[0]
     assert different.token_ids != alone.token_ids
 
 
 def test_continuous_batching_gives_each_request_what_it_gets_alone(llama_target, llama_drafts, tokenizer):
     """More requests than slots, different lengths and settings: rows join and leave between steps."""
-    params = [SamplingParams(max_tokens=5 + 7 * i, temperature=0.0 if i % 2 else 0.8, seed=i, top_k=20 * (i % 3))
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_tokens=5 + 7 * i, temperature=0.0 if i % 2 else 0.8, seed=i, top_k=20 * (i % 3))
+        for i in range(len(PROMPTS))
+    ]
     together = run(llama_target, llama_drafts["ngram"], tokenizer, PROMPTS, params, max_num_seqs=3)
     for prompt, p, output in zip(PROMPTS, params, together):
         alone = run(llama_target, llama_drafts["ngram"], tokenizer, [prompt], p, max_num_seqs=1)[0]
@@ -89,8 +114,9 @@ def test_max_tokens_is_never_exceeded_even_by_an_accepted_draft_run(llama_target
 def test_stop_string_ends_the_answer_before_it_and_frees_the_row(llama_target, llama_drafts, tokenizer):
     free = run(llama_target, llama_drafts["ngram"], tokenizer, PROMPTS[4:5], SamplingParams(max_tokens=30))[0]
     stop = free.text[5:8]  # a string the model is known to produce
-    stopped = run(llama_target, llama_drafts["ngram"], tokenizer, PROMPTS[4:5],
-                  SamplingParams(max_tokens=30, stop=[stop]))[0]
+    stopped = run(
+        llama_target, llama_drafts["ngram"], tokenizer, PROMPTS[4:5], SamplingParams(max_tokens=30, stop=[stop])
+    )[0]
     assert stopped.finish_reason == "stop"
     assert stopped.text == free.text[: free.text.index(stop)]
     assert len(stopped.token_ids) <= len(free.token_ids)
@@ -101,7 +127,9 @@ def test_a_stop_token_ends_the_request_like_eos(llama_target, llama_drafts, toke
     model = None if draft is None else llama_drafts[draft]
     free = run(llama_target, model, tokenizer, PROMPTS[4:5], SamplingParams(max_tokens=16))[0]
     stop_token = free.token_ids[6]
-    stopped = run(llama_target, model, tokenizer, PROMPTS[4:5], SamplingParams(max_tokens=16, stop_token_ids=[stop_token]))[0]
+    stopped = run(
+        llama_target, model, tokenizer, PROMPTS[4:5], SamplingParams(max_tokens=16, stop_token_ids=[stop_token])
+    )[0]
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop_token) + 1]
 
@@ -139,7 +167,9 @@ def test_steps_of_few_tokens_run_on_the_small_step_threads(llama_target, tokeniz
         return forward(batch, *args, **kwargs)
 
     monkeypatch.setattr(llama_target, "forward", recording_forward)
-    engine = Engine(llama_target, None, tokenizer, EngineConfig(max_model_len=64, small_step_threads=small_step_threads))
+    engine = Engine(
+        llama_target, None, tokenizer, EngineConfig(max_model_len=64, small_step_threads=small_step_threads)
+    )
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

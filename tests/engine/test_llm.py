@@ -46,8 +46,11 @@ def test_stream_deltas_add_up_to_the_generated_output(llm):
 
 
 def test_chat_with_a_pydantic_response_format_returns_a_valid_answer(llm):
-    out = llm.chat([{"role": "user", "content": "Classify the sentiment of this review: I was delighted with the kettle."}],
-                   SamplingParams(max_tokens=96), response_format=Sentiment)
+    out = llm.chat(
+        [{"role": "user", "content": "Classify the sentiment of this review: I was delighted with the kettle."}],
+        SamplingParams(max_tokens=96),
+        response_format=Sentiment,
+    )
     assert out.finish_reason == "stop", out
     Sentiment.model_validate_json(out.text)
     assert out.reasoning and "</think>" not in out.text
@@ -61,8 +64,10 @@ def relaxed_llm():
 def test_relaxed_acceptance_keeps_the_answer_schema_valid(relaxed_llm):
     for example in EXAMPLES:
         schema = TASK_FAMILIES[example.family].schema
-        out = relaxed_llm.generate([relaxed_llm.chat_prompt(example.messages, example.tools)],
-                                   SamplingParams(max_tokens=128, json_schema=schema))[0]
+        out = relaxed_llm.generate(
+            [relaxed_llm.chat_prompt(example.messages, example.tools)],
+            SamplingParams(max_tokens=128, json_schema=schema),
+        )[0]
         assert out.finish_reason in ("stop", "length")
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), schema)
@@ -87,8 +92,12 @@ def test_unknown_model_or_draft_names_what_is_available():
 
 
 def test_cli_generate_runs_the_demo_model_with_its_best_draft_and_a_schema(tmp_path, capsys):
-    schema = {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
-              "required": ["label"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
+        "required": ["label"],
+        "additionalProperties": False,
+    }
     (tmp_path / "schema.json").write_text(json.dumps(schema))
     assert cli.main(["generate", "--json", "--max-tokens", "96", "--schema", str(tmp_path / "schema.json")]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -98,13 +107,16 @@ def test_cli_generate_runs_the_demo_model_with_its_best_draft_and_a_schema(tmp_p
     assert out["stats"]["mean_accepted_length"] > 1
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--schema", "{bad}"], "--schema {bad}: not JSON (Expecting property name"),
-    (["--schema", "{typo}"], "json_schema at /properties/a/type: 'strin' is not valid"),
-    (["--schema", "missing.json"], "No such file or directory: 'missing.json'"),
-    (["--model", "nowhere"], "model 'nowhere': no config.json"),
-    (["--draft", "medusa"], "draft 'medusa': not a kind"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--schema", "{bad}"], "--schema {bad}: not JSON (Expecting property name"),
+        (["--schema", "{typo}"], "json_schema at /properties/a/type: 'strin' is not valid"),
+        (["--schema", "missing.json"], "No such file or directory: 'missing.json'"),
+        (["--model", "nowhere"], "model 'nowhere': no config.json"),
+        (["--draft", "medusa"], "draft 'medusa': not a kind"),
+    ],
+)
 def test_cli_reports_bad_input_in_one_line_without_a_traceback(argv, says, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "{bad}").write_text("{not json")
@@ -117,8 +129,24 @@ def test_cli_reports_bad_input_in_one_line_without_a_traceback(argv, says, tmp_p
 
 
 def test_cli_bench_compares_the_paths_in_one_json_line(capsys):
-    argv = ["bench", "--json", "--models", "demo-llama", "--prompts", "2", "--max-tokens", "8", "--k", "2",
-            "--batch", "2", "--device", "cpu", "--dtype", "float32"]
+    argv = [
+        "bench",
+        "--json",
+        "--models",
+        "demo-llama",
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "8",
+        "--k",
+        "2",
+        "--batch",
+        "2",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]
     assert cli.main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["device"] == "cpu"
@@ -126,8 +154,12 @@ def test_cli_bench_compares_the_paths_in_one_json_line(capsys):
     assert {r["draft"] for r in runs} == {"none", "eagle3", "eagle", "ngram"}
     assert all(r["exact"] for r in runs if r["draft"] != "none" and not r["relaxed"])
     ratios = report["models"]["demo-llama"]["ratios"]
-    assert {"tandem_plain_vs_transformers_plain", "eagle3_k2_vs_plain", "eagle3_k2_decode_vs_plain",
-            "eagle3_k2_schema_vs_unconstrained"} <= set(ratios)
+    assert {
+        "tandem_plain_vs_transformers_plain",
+        "eagle3_k2_vs_plain",
+        "eagle3_k2_decode_vs_plain",
+        "eagle3_k2_schema_vs_unconstrained",
+    } <= set(ratios)
     assert all(0 < r["first_token_seconds"] < r["seconds"] for r in runs)
     assert all(r["decode_tokens_per_s"] > 0 for r in runs)
     ratio_range = report["models"]["demo-llama"]["ratio_range"]
@@ -141,7 +173,7 @@ def test_auto_device_is_cuda_exactly_when_there_is_a_gpu():
 
 
 def test_bench_runs_the_transformers_peer_on_tandems_device_and_dtype():
-    from tandem.bench import _transformers_model
+    from tandem.cli.bench import _transformers_model
 
     model = _transformers_model(resolve_model("demo-llama"), torch.device("cpu"), torch.bfloat16)
     assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cpu", torch.bfloat16)}
@@ -151,24 +183,32 @@ def test_bench_ratios_are_medians_of_ratios_within_a_round():
     """The machine slows down between rounds (1x, 2x, 1.5x). Within a round the speculative path
     is twice as fast as the plain one, except that a burst of load hit its turn in round 1. The
     median of the within-round ratios says 2.0; the cases' fastest rounds alone would say 1.667."""
-    from tandem.bench import _ratios
+    from tandem.cli.bench import _ratios
 
     slowdown = [1.0, 2.0, 1.5]
     plain = [{"generated": 100, "seconds": s, "first_token_seconds": s / 10, "requests": 1} for s in slowdown]
-    spec = [{"generated": 100, "seconds": s / 2 * burst, "first_token_seconds": s / 20, "requests": 1}
-            for s, burst in zip(slowdown, [1.2, 1, 1])]
+    spec = [
+        {"generated": 100, "seconds": s / 2 * burst, "first_token_seconds": s / 20, "requests": 1}
+        for s, burst in zip(slowdown, [1.2, 1, 1])
+    ]
     peer = [{"generated": 50, "seconds": s} for s in slowdown]
     rounds = {("none", 0, False, False, 1): plain, ("eagle", 4, False, False, 1): spec, ("transformers", "plain"): peer}
     ratios, ratio_range = _ratios(rounds, k=4, batch=1)
-    assert ratios == {"tandem_plain_vs_transformers_plain": 2.0, "eagle_k4_vs_plain": 2.0,
-                      "eagle_k4_decode_vs_plain": 2.0}
-    assert ratio_range == {"tandem_plain_vs_transformers_plain": [2.0, 2.0], "eagle_k4_vs_plain": [1.667, 2.0],
-                           "eagle_k4_decode_vs_plain": [1.636, 2.0]}
+    assert ratios == {
+        "tandem_plain_vs_transformers_plain": 2.0,
+        "eagle_k4_vs_plain": 2.0,
+        "eagle_k4_decode_vs_plain": 2.0,
+    }
+    assert ratio_range == {
+        "tandem_plain_vs_transformers_plain": [2.0, 2.0],
+        "eagle_k4_vs_plain": [1.667, 2.0],
+        "eagle_k4_decode_vs_plain": [1.636, 2.0],
+    }
 
 
 def test_bench_decode_rate_leaves_out_each_requests_first_token_and_the_time_to_it():
     """Two requests; 1 s until both had their first token, 21 tokens in all: the other 19 took 2 s."""
-    from tandem.bench import _fastest
+    from tandem.cli.bench import _fastest
 
     run = {"seconds": 3.0, "first_token_seconds": 1.0, "requests": 2, "generated": 21, "steps": 10, "accepted": 11}
     row = _fastest([run, {**run, "seconds": 4.0}])

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from tandem.decoding.engine import Engine, EngineConfig
 from tandem.decoding.params import SamplingParams
+from tandem.engine import Engine, EngineConfig
 
 from .test_engine import PROMPTS, run
 
@@ -17,23 +17,31 @@ def _reference_log_probs(reference, tokenizer, prompt: str, generated: list[int]
     """[n, V] transformers' log-softmax at the positions that emitted `generated`."""
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     with torch.no_grad():
-        logits = reference(torch.tensor([ids + generated])).logits[0, len(ids) - 1: -1]
+        logits = reference(torch.tensor([ids + generated])).logits[0, len(ids) - 1 : -1]
     return logits.float().log_softmax(-1)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=20, logprobs=TOP),
-                                    SamplingParams(max_tokens=20, logprobs=TOP, temperature=1.0, top_k=8, seed=3)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=20, logprobs=TOP),
+        SamplingParams(max_tokens=20, logprobs=TOP, temperature=1.0, top_k=8, seed=3),
+    ],
+)
 def test_logprobs_are_the_raw_ones_of_the_target_model(llama_dirs, llama_target, tokenizer, params):
     reference = LlamaForCausalLM.from_pretrained(llama_dirs["target"]).eval()
     for prompt, output in zip(PROMPTS[:3], run(llama_target, None, tokenizer, PROMPTS[:3], params)):
         expected = _reference_log_probs(reference, tokenizer, prompt, output.token_ids)
         assert [entry.token_id for entry in output.logprobs] == output.token_ids
         got = torch.tensor([entry.logprob for entry in output.logprobs])
-        torch.testing.assert_close(got, expected.gather(-1, torch.tensor(output.token_ids)[:, None])[:, 0],
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            got, expected.gather(-1, torch.tensor(output.token_ids)[:, None])[:, 0], atol=1e-4, rtol=0
+        )
         top_values, _ = expected.topk(TOP, dim=-1)
         for entry, values in zip(output.logprobs, top_values):
-            assert len(entry.top) == TOP and [v for _, v in entry.top] == sorted((v for _, v in entry.top), reverse=True)
+            assert len(entry.top) == TOP and [v for _, v in entry.top] == sorted(
+                (v for _, v in entry.top), reverse=True
+            )
             torch.testing.assert_close(torch.tensor([v for _, v in entry.top]), values, atol=1e-4, rtol=0)
             assert all(expected.shape[-1] > token >= 0 for token, _ in entry.top)
         if params.temperature == 0:  # greedy: the emitted token is the most likely one
@@ -63,8 +71,12 @@ def test_one_logprob_per_token_through_stops_limits_and_streaming(llama_target, 
     free = SamplingParams(max_tokens=40, logprobs=0)
     text = run(llama_target, None, tokenizer, PROMPTS[2:3], free)[0].text
     assert len(text) > 8
-    params = [free, SamplingParams(max_tokens=7, logprobs=1), SamplingParams(max_tokens=40, stop=[text[5:8]], logprobs=0),
-              SamplingParams(max_tokens=40)]
+    params = [
+        free,
+        SamplingParams(max_tokens=7, logprobs=1),
+        SamplingParams(max_tokens=40, stop=[text[5:8]], logprobs=0),
+        SamplingParams(max_tokens=40),
+    ]
     ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
     streamed = {i: [] for i in ids}
     while engine.has_unfinished():

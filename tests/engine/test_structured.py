@@ -6,9 +6,9 @@ import json
 import jsonschema
 import pytest
 
-from tandem.decoding import engine as engine_module
 from tandem.decoding.params import SamplingParams
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
+from tandem.engine import masks as engine_masks
 from tandem.llm import LLM
 
 EXAMPLES = generate_examples(6, seed=7, split="heldout")
@@ -56,7 +56,7 @@ def test_every_finished_constrained_answer_validates_against_its_schema(request,
 def test_speculative_equals_plain_under_a_schema(plain, speculative, monkeypatch):
     expected = _generate(plain, _schema_params)
     # The n-gram draft copies its tokens, so the engine must not walk the grammar for it.
-    monkeypatch.setattr(engine_module, "MaskWalk", None)
+    monkeypatch.setattr(engine_masks, "MaskWalk", None)
     got = _generate(speculative, _schema_params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert sum(o.stats.accepted for o in got) > 0
@@ -69,8 +69,10 @@ def test_an_invalid_schema_is_refused_before_anything_runs_and_the_engine_goes_o
 
 
 def test_choice_constrains_the_answer_after_thinking(plain):
-    out = plain.chat([{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
-                     SamplingParams(max_tokens=120, choice=["yes", "no"]))
+    out = plain.chat(
+        [{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+        SamplingParams(max_tokens=120, choice=["yes", "no"]),
+    )
     if out.finish_reason == "stop":
         assert out.text in ("yes", "no")
     assert out.finish_reason in ("stop", "length")

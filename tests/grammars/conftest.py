@@ -15,7 +15,9 @@ from tandem.grammars.tokenizer import GrammarTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 MASKBENCH = Path(os.environ.get("TANDEM_MASKBENCH", REPO.parent / "shared" / "data" / "maskbench"))
-SCHEMA_SUITE = Path(os.environ.get("TANDEM_SCHEMA_SUITE", REPO.parent / "shared" / "data" / "json-schema-test-suite" / "draft2020-12"))
+SCHEMA_SUITE = Path(
+    os.environ.get("TANDEM_SCHEMA_SUITE", REPO.parent / "shared" / "data" / "json-schema-test-suite" / "draft2020-12")
+)
 
 # A small schema and texts it accepts, shared by the property tests of all backends.
 PERSON_SCHEMA = {

@@ -50,7 +50,9 @@ def test_auto_picks_a_backend_that_honours_the_schema(tokenizer):
 
 def test_auto_fails_with_every_backends_reason_when_none_can_honour(tokenizer):
     # llguidance rejects uniqueItems loudly; the others would ignore it, so they refuse.
-    with pytest.raises(GrammarCompileError, match="llguidance: .*uniqueItems.*'xgrammar' cannot honour /uniqueItems: uniqueItems"):
+    with pytest.raises(
+        GrammarCompileError, match="llguidance: .*uniqueItems.*'xgrammar' cannot honour /uniqueItems: uniqueItems"
+    ):
         compile_grammar(GrammarSpec.json_schema(UNIQUE), tokenizer, "auto")
 
 
@@ -63,7 +65,10 @@ def test_backend_without_the_spec_kind_says_so(tokenizer):
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_every_backend_compiles_regex_and_choice_exactly(tokenizer, backend):
-    for spec, good, bad in [(GrammarSpec.regex("[0-9]{2}-ab"), "42-ab", "4-ab"), (GrammarSpec.choice(["yes", "no"]), "no", "nope")]:
+    for spec, good, bad in [
+        (GrammarSpec.regex("[0-9]{2}-ab"), "42-ab", "4-ab"),
+        (GrammarSpec.choice(["yes", "no"]), "no", "nope"),
+    ]:
         compiled = compile_grammar(spec, tokenizer, backend)
         for text, expected in ((good, True), (bad, False)):
             matcher = compiled.new_matcher()
@@ -104,7 +109,9 @@ def test_a_slow_compile_times_out_without_stalling_others(tokenizer, monkeypatch
 
 def test_jobs_queued_behind_a_stuck_compile_move_to_a_fresh_worker(tokenizer, monkeypatch):
     release = threading.Event()
-    slow = SimpleNamespace(NAME="slow", KINDS=frozenset({"regex"}), compile=lambda spec, tok: release.wait(5) and (lambda: None))
+    slow = SimpleNamespace(
+        NAME="slow", KINDS=frozenset({"regex"}), compile=lambda spec, tok: release.wait(5) and (lambda: None)
+    )
     monkeypatch.setitem(BACKENDS, "slow", slow)
     compiler = GrammarCompiler(max_workers=1, timeout_s=0.3)
     stuck = compiler.submit(GrammarSpec.regex("a"), tokenizer, "slow")

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.decoding.bitmask import unpack_bitmask
+from tandem.core.bitmask import unpack_bitmask
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
 from tandem.grammars.backends import BACKENDS
 from tandem.grammars.masks import MaskWalk, SpeculativeMasker
@@ -71,7 +71,9 @@ def test_mask_row_i_equals_fresh_matcher_fed_prefix(grammar, tokenizer, data):
     for i in range(len(drafts) + 1):
         assert torch.equal(rows[i], fresh_mask(new_matcher, committed + drafts[:i], masker.width)), f"row {i}"
         if i < len(drafts) and not unpack_bitmask(rows[i], tokenizer.vocab_size)[drafts[i]]:
-            assert torch.equal(rows[i + 1 :], masker.base_row.expand_as(rows[i + 1 :])), "rows after a forbidden draft are the base row"
+            assert torch.equal(rows[i + 1 :], masker.base_row.expand_as(rows[i + 1 :])), (
+                "rows after a forbidden draft are the base row"
+            )
             break
 
 
@@ -94,8 +96,13 @@ def test_a_step_by_step_walk_offers_row_i_before_token_i(grammar, tokenizer, dat
     new_matcher, committed, drafts, masker = draw_case(grammar, tokenizer, data)
     expected = walk(masker, tokenizer, committed, drafts, new_matcher)
     k = len(drafts)
-    stepper = MaskWalk(masker, ["r"], k, torch.zeros(1, k + 1, masker.width, dtype=torch.int32),
-                       torch.zeros(1, k + 1, dtype=torch.bool))
+    stepper = MaskWalk(
+        masker,
+        ["r"],
+        k,
+        torch.zeros(1, k + 1, masker.width, dtype=torch.int32),
+        torch.zeros(1, k + 1, dtype=torch.bool),
+    )
     for i in range(k + 1):
         assert torch.equal(stepper.allowed()[0], unpack_bitmask(expected[i], tokenizer.vocab_size)), f"row {i}"
         if i < k:
@@ -148,7 +155,9 @@ def test_commit_after_any_acceptance_equals_direct_feed(grammar, tokenizer, data
     num_accepted = min(num_accepted, len(drafts))
     allowed = unpack_bitmask(rows, tokenizer.vocab_size)
     # The acceptance core only accepts allowed drafts and emits an allowed token: mimic it.
-    while num_accepted and not allowed[: num_accepted, :].gather(1, torch.tensor(drafts[:num_accepted]).view(-1, 1)).all():
+    while (
+        num_accepted and not allowed[:num_accepted, :].gather(1, torch.tensor(drafts[:num_accepted]).view(-1, 1)).all()
+    ):
         num_accepted -= 1
     bonus_choices = allowed[num_accepted].nonzero().flatten().tolist()
     if not bonus_choices:
@@ -208,7 +217,12 @@ def test_commit_of_a_forbidden_token_raises(grammar, tokenizer):
 def test_fill_rejects_a_buffer_of_the_wrong_shape(tokenizer):
     masker = SpeculativeMasker(tokenizer.vocab_size)
     with pytest.raises(ValueError, match=r"bitmask must be int32 \[B, 3,"):
-        masker.fill([], torch.zeros(0, 2, dtype=torch.int64), torch.zeros(1, 2, masker.width, dtype=torch.int32), torch.zeros(1, 3, dtype=torch.bool))
+        masker.fill(
+            [],
+            torch.zeros(0, 2, dtype=torch.int64),
+            torch.zeros(1, 2, masker.width, dtype=torch.int32),
+            torch.zeros(1, 3, dtype=torch.bool),
+        )
 
 
 @pytest.mark.parametrize("device", ["meta", "cuda"][: 1 + torch.cuda.is_available()])

@@ -26,7 +26,9 @@ def test_json_schema_from_dict_text_and_pydantic_are_equal():
 
 def test_invalid_subschema_error_names_its_json_pointer():
     bad = {"type": "object", "properties": {"age": {"type": "integer", "minimum": "zero"}}}
-    with pytest.raises(InvalidGrammarSpec, match=r"json_schema at /properties/age/minimum: 'zero' is not of type 'number'"):
+    with pytest.raises(
+        InvalidGrammarSpec, match=r"json_schema at /properties/age/minimum: 'zero' is not of type 'number'"
+    ):
         GrammarSpec.json_schema(bad)
 
 
@@ -58,7 +60,12 @@ def test_bad_lark_and_ebnf_carry_the_parser_message():
 
 @pytest.mark.parametrize(
     "options, message",
-    [([], "non-empty list"), ("yes", "non-empty list"), (["a", 1], "choice at /1: expected a string"), (["a", "a"], "distinct")],
+    [
+        ([], "non-empty list"),
+        ("yes", "non-empty list"),
+        (["a", 1], "choice at /1: expected a string"),
+        (["a", "a"], "distinct"),
+    ],
 )
 def test_bad_choices(options, message):
     with pytest.raises(InvalidGrammarSpec, match=message):

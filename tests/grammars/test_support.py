@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.decoding.bitmask import bitmask_width
+from tandem.cli.eval_schemas import honoured_labels, instance_text, measure_suite, walk_instance
+from tandem.core.bitmask import bitmask_width
 from tandem.grammars.backends import BACKENDS
 from tandem.grammars.compiler import GrammarCompiler, compile_grammar
 from tandem.grammars.errors import GrammarError
-from tandem.grammars.evaluate import honoured_labels, instance_text, measure_suite, walk_instance
 from tandem.grammars.spec import GrammarSpec
-from tandem.grammars.support import (HONOURED, HONOURED_BEYOND_SUITE, IGNORED_BEYOND_SUITE, schema_assertions,
-                                     unhonoured)
+from tandem.grammars.support import HONOURED, HONOURED_BEYOND_SUITE, IGNORED_BEYOND_SUITE, schema_assertions, unhonoured
 from tests.grammars.conftest import SCHEMA_SUITE
 
 # Suite files re-measured here: cheap to compile (no outlines DFA blow-up, so no timeouts), and
@@ -44,7 +43,9 @@ def test_walk_reports_every_subschema_with_its_pointer():
 
 
 def test_unhonoured_lists_pointer_and_keyword_and_ignores_non_schema_specs():
-    spec = GrammarSpec.json_schema({"type": "array", "items": {"type": "integer", "not": {"const": 0}}, "uniqueItems": True})
+    spec = GrammarSpec.json_schema(
+        {"type": "array", "items": {"type": "integer", "not": {"const": 0}}, "uniqueItems": True}
+    )
     assert unhonoured(spec, "xgrammar") == ["/uniqueItems: uniqueItems", "/items/not: not"]
     assert unhonoured(GrammarSpec.regex("a+"), "outlines") == []
 
@@ -75,8 +76,13 @@ CONFLICTING_SIBLINGS = [
 def test_enum_and_const_are_labelled_unfiltered_only_when_a_sibling_rules_a_value_out():
     for schema, _, label in CONFLICTING_SIBLINGS:
         assert label in {found for _, found in schema_assertions(schema)}, schema
-    fitting = {"type": "object", "properties": {"a": {"type": "string", "enum": ["x", "y"], "maxLength": 1},
-                                                "b": {"type": ["integer", "null"], "const": None}}}
+    fitting = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "enum": ["x", "y"], "maxLength": 1},
+            "b": {"type": ["integer", "null"], "const": None},
+        },
+    }
     assert not [label for _, label in schema_assertions(fitting) if label.endswith(":unfiltered")]
 
 
@@ -94,7 +100,8 @@ def test_enum_and_const_with_conflicting_siblings_are_honoured_or_refused(backen
         if walk_instance(compiled, tokenizer.encode(instance_text(invalid)), tokenizer.eos_token_id, buffer, []):
             unsound.append(label)
             assert f"/{'properties/a/' if 'properties' in schema else ''}{label.split(':')[0]}: {label}" in unhonoured(
-                GrammarSpec.json_schema(schema), backend)
+                GrammarSpec.json_schema(schema), backend
+            )
     honoured = HONOURED_BEYOND_SUITE.get(backend, frozenset())
     assert not set(unsound) & honoured, f"{backend} lets {unsound} through but the table says it honours them"
     assert backend not in HONOURED_BEYOND_SUITE or not unsound

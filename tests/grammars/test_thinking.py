@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.decoding.bitmask import unpack_bitmask
+from tandem.core.bitmask import unpack_bitmask
 from tandem.grammars.backends import BACKENDS
 from tandem.grammars.masks import SpeculativeMasker
 from tandem.grammars.spec import GrammarSpec
-from tandem.grammars.thinking import ThinkingMarkers, ThinkingTracker
+from tandem.thinking import ThinkingMarkers, ThinkingTracker
 from tests.grammars.conftest import PERSON_SCHEMA, PERSON_TEXTS, fresh_mask
 
 
@@ -110,7 +110,9 @@ def test_a_constrained_row_cannot_end_while_thinking(new_matcher, tokenizer, mar
     masker.add_row("free", None, ThinkingTracker(markers, [markers.open_id]))
     drafts = tokenizer.encode(" so") + [markers.close_id]
     bitmask = torch.zeros(2, len(drafts) + 1, masker.width, dtype=torch.int32)
-    masker.fill(["r", "free"], torch.tensor([drafts, drafts]), bitmask, torch.zeros(2, len(drafts) + 1, dtype=torch.bool))
+    masker.fill(
+        ["r", "free"], torch.tensor([drafts, drafts]), bitmask, torch.zeros(2, len(drafts) + 1, dtype=torch.bool)
+    )
     allowed = unpack_bitmask(bitmask, tokenizer.vocab_size)  # [2, k+1, V]
     assert not allowed[0, : len(drafts), eos].any()  # thinking positions of the constrained row
     assert allowed[0, : len(drafts), markers.close_id].all()  # it can still close its reasoning

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
 from hypothesis import strategies as st
 
+from tandem.decoding import accept
 from tandem.kernels import acceptance as kernel_module
 from tests.decoding.strategies import random_allowed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+accept_triton = functools.partial(accept, backend="triton")  # `accept` through the fused kernels
 
 
 @contextmanager
@@ -43,8 +46,11 @@ def tie_heavy_batch(draw):
         if draw(st.booleans()):  # some positions allow nothing
             allowed &= torch.rand(batch, k + 1, 1, generator=generator) > 0.2
     masked = logits.float() if allowed is None else logits.float().masked_fill(~allowed, float("-inf"))
-    drafts = torch.where(torch.rand(batch, k, generator=generator) < 0.7, masked[:, :k].argmax(-1),
-                         torch.randint(vocab_size, (batch, k), generator=generator))
+    drafts = torch.where(
+        torch.rand(batch, k, generator=generator) < 0.7,
+        masked[:, :k].argmax(-1),
+        torch.randint(vocab_size, (batch, k), generator=generator),
+    )
     if draw(st.booleans()):  # padded rows: placeholder drafts and ids past the vocabulary
         drafts = torch.where(torch.rand(batch, k, generator=generator) < 0.2, -1, drafts)
         drafts[0, -1:] = vocab_size

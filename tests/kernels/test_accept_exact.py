@@ -5,11 +5,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.core.bitmask import pack_bitmask
 from tandem.decoding import AcceptanceResult, RelaxedAcceptance, SamplingTensors, accept
-from tandem.decoding.bitmask import pack_bitmask
-from tandem.kernels import accept_triton
 
-from .cases import DEVICE, block_size, tie_heavy_batch
+from .cases import DEVICE, accept_triton, block_size, tie_heavy_batch
 
 
 def _both(logits, drafts, allowed, block, **kwargs):
@@ -20,8 +19,9 @@ def _both(logits, drafts, allowed, block, **kwargs):
     if isinstance(kwargs.get("sampling"), SamplingTensors):
         on_device["sampling"] = kwargs["sampling"].to(DEVICE)
     with block_size(block):
-        got = accept_triton(logits.to(DEVICE), drafts.to(DEVICE), bitmask=None if bitmask is None else bitmask.to(DEVICE),
-                            **on_device)
+        got = accept_triton(
+            logits.to(DEVICE), drafts.to(DEVICE), bitmask=None if bitmask is None else bitmask.to(DEVICE), **on_device
+        )
     return expected, AcceptanceResult(*(getattr(got, f).cpu() for f in ("num_accepted", "tokens", "dead_end")))
 
 
@@ -43,8 +43,11 @@ def test_relaxed_greedy_rows_equal_the_torch_path(case, top_k, delta):
     logits, drafts, allowed, block = case
     batch, k = drafts.shape
     in_thinking = torch.rand(batch, k + 1, generator=torch.Generator().manual_seed(k)) < 0.7
-    _assert_same(*_both(logits, drafts, allowed, block, in_thinking=in_thinking,
-                        relaxed=RelaxedAcceptance(top_k=top_k, delta=delta)))
+    _assert_same(
+        *_both(
+            logits, drafts, allowed, block, in_thinking=in_thinking, relaxed=RelaxedAcceptance(top_k=top_k, delta=delta)
+        )
+    )
 
 
 @given(tie_heavy_batch())
@@ -54,12 +57,19 @@ def test_greedy_rows_of_a_stochastic_batch_equal_the_torch_path(case):
     batch = logits.shape[0]
     # Greedy rows with filters set (moot at temperature 0), plus one stochastic row that
     # makes the kernel compile its stochastic path.
-    sampling = SamplingTensors(torch.cat([torch.zeros(batch), torch.ones(1)]), torch.full((batch + 1,), 3),
-                               torch.full((batch + 1,), 0.5), torch.full((batch + 1,), 0.1), torch.arange(batch + 1))
+    sampling = SamplingTensors(
+        torch.cat([torch.zeros(batch), torch.ones(1)]),
+        torch.full((batch + 1,), 3),
+        torch.full((batch + 1,), 0.5),
+        torch.full((batch + 1,), 0.1),
+        torch.arange(batch + 1),
+    )
     with_row = lambda t: None if t is None else torch.cat([t, t[:1]])  # noqa: E731
     expected, got = _both(with_row(logits), with_row(drafts), with_row(allowed), block, sampling=sampling)
-    _assert_same(AcceptanceResult(expected.num_accepted[:batch], expected.tokens[:batch], expected.dead_end[:batch]),
-                 AcceptanceResult(got.num_accepted[:batch], got.tokens[:batch], got.dead_end[:batch]))
+    _assert_same(
+        AcceptanceResult(expected.num_accepted[:batch], expected.tokens[:batch], expected.dead_end[:batch]),
+        AcceptanceResult(got.num_accepted[:batch], got.tokens[:batch], got.dead_end[:batch]),
+    )
 
 
 def test_relaxed_rule_on_continuous_logits_over_many_blocks():
@@ -72,8 +82,9 @@ def test_relaxed_rule_on_continuous_logits_over_many_blocks():
     in_thinking = torch.rand(batch, k + 1, generator=generator) < 0.8
     greedy = accept(logits, drafts).num_accepted
     for delta in (0.005, 0.02):
-        expected, got = _both(logits, drafts, None, 64, in_thinking=in_thinking,
-                              relaxed=RelaxedAcceptance(top_k=3, delta=delta))
+        expected, got = _both(
+            logits, drafts, None, 64, in_thinking=in_thinking, relaxed=RelaxedAcceptance(top_k=3, delta=delta)
+        )
         _assert_same(expected, got)
         assert (expected.num_accepted > greedy).any()  # the relaxed rule decided something here
 

@@ -4,7 +4,7 @@ Each scenario runs ~1,000 rows that share one step's distributions, one draw per
 them with the acceptance tests' own statistical helpers (tests/decoding/reference.py: each check
 falsely fails a correct implementation with probability ALPHA = 1e-4; the 7 checks here bound
 this file's false-alarm rate by 1e-3, and the fixed seeds make every run repeat). Row counts are
-small because the CPU interpreter runs one row per ~10 ms; 1,000-1,200 draws over 10 tokens still
+small because the CPU interpreter runs each row slowly; 1,000-1,200 draws over 10 tokens still
 detect a wrong temperature or a skewed residual, and an acceptance rate off by more than ~0.06 (and the
 accepted counts must equal the torch path's exactly, see `_run`).
 """
@@ -12,13 +12,12 @@ accepted counts must equal the torch path's exactly, see `_run`).
 import numpy as np
 import torch
 
+from tandem.core.bitmask import pack_bitmask
 from tandem.decoding import AcceptanceResult, RelaxedAcceptance, SamplingTensors, accept
-from tandem.decoding.bitmask import pack_bitmask
-from tandem.kernels import accept_triton
 from tests.decoding.reference import assert_distributed_as, assert_rate, reference_probs
 from tests.decoding.strategies import mixed_rows, random_allowed
 
-from .cases import DEVICE, block_size
+from .cases import DEVICE, accept_triton, block_size
 
 ROWS = 1200
 VOCAB = 10
@@ -33,9 +32,13 @@ def _run(logits, drafts, *, allowed=None, q=None, block=16, **settings) -> Accep
     """
     rows = drafts.shape[0]
     expand = lambda t: None if t is None else t.expand(rows, *t.shape).contiguous()  # noqa: E731
-    inputs = dict(target_logits=expand(logits), draft_tokens=drafts, draft_probs=expand(q),
-                  sampling=SamplingTensors.full(rows, seed=torch.arange(rows) * 7919 + 11, **settings),
-                  bitmask=None if allowed is None else expand(pack_bitmask(allowed)))
+    inputs = dict(
+        target_logits=expand(logits),
+        draft_tokens=drafts,
+        draft_probs=expand(q),
+        sampling=SamplingTensors.full(rows, seed=torch.arange(rows) * 7919 + 11, **settings),
+        bitmask=None if allowed is None else expand(pack_bitmask(allowed)),
+    )
     on_device = {name: None if value is None else value.to(DEVICE) for name, value in inputs.items()}
     with block_size(block):
         result = accept_triton(**on_device)
@@ -56,8 +59,9 @@ def test_one_hot_drafts_under_a_mask_and_temperature():
     result = _run(logits, drafts, allowed=allowed, temperature=0.7)
 
     assert_distributed_as(result.tokens[:, 0], p[0], "first token")
-    assert_rate(int((result.num_accepted >= 1).sum()), ROWS, float(np.mean(p[0][drafts[:, 0].numpy()])),
-                "acceptance of draft 0")
+    assert_rate(
+        int((result.num_accepted >= 1).sum()), ROWS, float(np.mean(p[0][drafts[:, 0].numpy()])), "acceptance of draft 0"
+    )
     second = result.num_accepted >= 1
     assert_distributed_as(result.tokens[second, 1], p[1], "second token given draft 0 accepted")
     emitted = result.tokens.gather(1, result.num_accepted[:, None]).squeeze(1)
@@ -77,8 +81,12 @@ def test_sampled_drafts_with_draft_probs_and_min_p():
 
     p0, p1 = (reference_probs(logits[j], min_p=0.2) for j in range(2))
     assert_distributed_as(result.tokens[:, 0], p0, "first token")
-    assert_rate(int((result.num_accepted == 1).sum()), rows, float(np.minimum(p0, q[0].double().numpy()).sum()),
-                "acceptance of draft 0")
+    assert_rate(
+        int((result.num_accepted == 1).sum()),
+        rows,
+        float(np.minimum(p0, q[0].double().numpy()).sum()),
+        "acceptance of draft 0",
+    )
     bonus = result.num_accepted == 1
     assert_distributed_as(result.tokens[bonus, 1], p1, "bonus token")
 
@@ -97,9 +105,15 @@ def _accept_rows(rows, order, backend=accept_triton):
     logits, drafts, q, bitmask, sampling, thinking = rows
     picked = SamplingTensors(*(getattr(sampling, f)[order] for f in ("temperature", "top_k", "top_p", "min_p", "seed")))
     with block_size(16):
-        result = backend(logits[order].to(DEVICE), drafts[order].to(DEVICE), draft_probs=q[order].to(DEVICE),
-                         sampling=picked.to(DEVICE), bitmask=bitmask[order].to(DEVICE),
-                         in_thinking=thinking[order].to(DEVICE), relaxed=RelaxedAcceptance(top_k=3, delta=0.3))
+        result = backend(
+            logits[order].to(DEVICE),
+            drafts[order].to(DEVICE),
+            draft_probs=q[order].to(DEVICE),
+            sampling=picked.to(DEVICE),
+            bitmask=bitmask[order].to(DEVICE),
+            in_thinking=thinking[order].to(DEVICE),
+            relaxed=RelaxedAcceptance(top_k=3, delta=0.3),
+        )
     return result.tokens.cpu()
 
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.decoding.bitmask import pack_bitmask, unpack_bitmask
+from tandem.core.bitmask import pack_bitmask, unpack_bitmask
 from tandem.kernels import apply_bitmask_triton
 from tandem.kernels import bitmask as bitmask_module
 from tests.decoding.strategies import random_allowed
@@ -13,8 +13,14 @@ from tests.decoding.strategies import random_allowed
 from .cases import DEVICE
 
 
-@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 300), st.sampled_from([torch.float32, torch.bfloat16]),
-       st.sampled_from([32, 128, 4096]), st.integers(0, 2**31 - 1))
+@given(
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(1, 300),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.sampled_from([32, 128, 4096]),
+    st.integers(0, 2**31 - 1),
+)
 @settings(max_examples=25)
 def test_apply_bitmask_equals_the_torch_unpack(rows, positions, vocab_size, dtype, block, seed):
     generator = torch.Generator().manual_seed(seed)

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.kernels import cpu_linear
-from tandem.models.layers import Linear, linear, narrow_exact_weights
+from tandem.models.linear import Linear, linear, narrow_exact_weights
 from tandem.models.moe import RoutedExperts
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="the CPU kernel is not built or needs AVX-512")
@@ -35,8 +35,14 @@ def test_the_extension_is_built_where_a_compiler_is():
 
 @needs_kernel
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, cpu_linear.MAX_ROWS), size=st.integers(1, 200), outputs=st.integers(1, 150),
-       with_bias=st.booleans(), seed=st.integers(0, 2**31 - 1), rows_around=st.tuples(st.integers(0, 40), st.integers(0, 40)))
+@given(
+    rows=st.integers(1, cpu_linear.MAX_ROWS),
+    size=st.integers(1, 200),
+    outputs=st.integers(1, 150),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+    rows_around=st.tuples(st.integers(0, 40), st.integers(0, 40)),
+)
 def test_outputs_are_within_the_rounding_bound_of_the_exact_product(rows, size, outputs, with_bias, seed, rows_around):
     """Also for a weight that is a block of a wider one's rows (its transpose's rows further apart)."""
     g = torch.Generator().manual_seed(seed)
@@ -47,7 +53,11 @@ def test_outputs_are_within_the_rounding_bound_of_the_exact_product(rows, size, 
     bias = torch.randn(outputs, generator=g) if with_bias else None
     out = cpu_linear.linear(x, weight, bias)
     exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
-    bound = (size + 1) * 2.0**-24 * (x.double().abs() @ weight.double().abs().t() + (0 if bias is None else bias.double().abs()))
+    bound = (
+        (size + 1)
+        * 2.0**-24
+        * (x.double().abs() @ weight.double().abs().t() + (0 if bias is None else bias.double().abs()))
+    )
     assert out.dtype == torch.float32 and out.shape == (rows, outputs)
     assert ((out.double() - exact).abs() <= bound + 1e-30).all()
 
@@ -71,7 +81,9 @@ def test_layers_take_the_kernel_for_few_rows_and_f_linear_otherwise(monkeypatch)
             param.copy_(torch.randn(param.shape).bfloat16().float())
     narrow_exact_weights(layer)
     calls = []
-    monkeypatch.setattr(cpu_linear, "linear", lambda *args: calls.append(len(args[0])) or F.linear(args[0], args[1].float(), args[2]))
+    monkeypatch.setattr(
+        cpu_linear, "linear", lambda *args: calls.append(len(args[0])) or F.linear(args[0], args[1].float(), args[2])
+    )
     few, many = torch.randn(cpu_linear.MAX_ROWS, 64), torch.randn(cpu_linear.MAX_ROWS + 1, 64)
     layer(few), layer(many), layer(torch.randn(cpu_linear.MAX_ROWS, 128)[:, ::2])  # strided rows: F.linear
     assert calls == [cpu_linear.MAX_ROWS]

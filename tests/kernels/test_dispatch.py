@@ -19,7 +19,9 @@ def test_backend_triton_runs_the_kernels_with_the_same_greedy_result():
         fused = accept(logits.to(DEVICE), drafts.to(DEVICE), backend="triton")
     assert kernel.call_count == 1
     reference = accept(logits, drafts, backend="torch")
-    assert torch.equal(fused.tokens.cpu(), reference.tokens) and torch.equal(fused.num_accepted.cpu(), reference.num_accepted)
+    assert torch.equal(fused.tokens.cpu(), reference.tokens) and torch.equal(
+        fused.num_accepted.cpu(), reference.num_accepted
+    )
 
 
 def test_auto_uses_torch_for_cpu_tensors():

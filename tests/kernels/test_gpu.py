@@ -3,10 +3,12 @@
 import pytest
 import torch
 
+from tandem.core.bitmask import pack_bitmask, unpack_bitmask
 from tandem.decoding import RelaxedAcceptance, SamplingTensors, accept
-from tandem.decoding.bitmask import pack_bitmask, unpack_bitmask
-from tandem.kernels import accept_triton, apply_bitmask_triton
+from tandem.kernels import apply_bitmask_triton
 from tests.decoding.reference import assert_distributed_as, reference_probs
+
+from .cases import accept_triton
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -16,8 +18,11 @@ def _case(batch: int, k: int, vocab_size: int, dtype: torch.dtype):
     logits = (torch.randn(batch, k + 1, vocab_size, generator=generator) * 3).to(dtype)
     allowed = torch.rand(batch, k + 1, vocab_size, generator=generator) < 0.3
     masked = logits.float().masked_fill(~allowed, float("-inf"))
-    drafts = torch.where(torch.rand(batch, k, generator=generator) < 0.8, masked[:, :k].argmax(-1),
-                         torch.randint(vocab_size, (batch, k), generator=generator))
+    drafts = torch.where(
+        torch.rand(batch, k, generator=generator) < 0.8,
+        masked[:, :k].argmax(-1),
+        torch.randint(vocab_size, (batch, k), generator=generator),
+    )
     return logits.cuda(), drafts.cuda(), pack_bitmask(allowed).cuda()
 
 

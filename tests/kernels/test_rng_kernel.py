@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 from scipy import stats
 
-from tandem.decoding.rng import STREAM_ACCEPT, STREAM_EMIT
-from tandem.decoding.rng import uniform as torch_uniform
+from tandem.core.rng import STREAM_ACCEPT, STREAM_EMIT
+from tandem.core.rng import uniform as torch_uniform
 from tandem.kernels.rng import exponential, stream_state, uniform
 
 from .cases import DEVICE
@@ -17,8 +17,9 @@ COUNTERS = 256
 
 
 @triton.jit
-def _draw_kernel(seed_ptr, uniform_ptr, exponential_ptr, STREAM: tl.constexpr, COUNT: tl.constexpr,
-                 FAST_LOG: tl.constexpr):
+def _draw_kernel(
+    seed_ptr, uniform_ptr, exponential_ptr, STREAM: tl.constexpr, COUNT: tl.constexpr, FAST_LOG: tl.constexpr
+):
     row = tl.program_id(0)
     state = stream_state(tl.load(seed_ptr + row), STREAM)
     counters = tl.arange(0, COUNT)

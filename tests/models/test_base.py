@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from tandem.models.base import ForwardBatch, KVCache, RowSpans
 
-
 rows_strategy = st.lists(
     st.tuples(st.lists(st.integers(0, 100), min_size=1, max_size=6), st.integers(0, 50)), min_size=1, max_size=5
 )

@@ -14,8 +14,9 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tandem.models import CheckpointError, ForwardBatch, load_target, moe
-from tandem.models.deepseek_v3 import DeepseekV3, softmax_attention
-from tandem.models.rope import MAX_ROTATION_MATRIX_TOKENS, RotaryEmbedding, apply_interleaved_rotary
+from tandem.models import config as model_config
+from tandem.models.deepseek_v3 import softmax_attention
+from tandem.models.rope import MAX_ROTATION_MATRIX_TOKENS, InterleavedRotation, RotaryEmbedding, RotationMatrices
 
 TOLERANCE = 1e-4
 YARN = {
@@ -35,6 +36,11 @@ def tiny_config(**overrides) -> DeepseekV3Config:
     )  # fmt: skip
     settings.update(overrides)
     return DeepseekV3Config(**settings)
+
+
+def rope_settings(rope_parameters: dict | None) -> model_config.RopeParameters:
+    """The typed RoPE settings of a DeepSeek config with these ``rope_parameters`` (128 positions)."""
+    return model_config.RopeParameters.from_dict({"rope_parameters": rope_parameters, "max_position_embeddings": 128})
 
 
 def save_reference(path: Path, config: DeepseekV3Config, *, seed: int = 0, **save_kwargs) -> DeepseekV3ForCausalLM:
@@ -79,7 +85,7 @@ def test_prefill_decode_truncate_match_transformers(tmp_path, variant, overrides
     # Prefill both rows in one ragged batch.
     out = model.forward(ForwardBatch.from_rows(seqs, [0, 0], slots), cache)
     assert out.logits.dtype == torch.float32
-    for b, ref in enumerate(map(lambda s: reference_logits(reference, s), seqs)):
+    for b, ref in enumerate(reference_logits(reference, s) for s in seqs):
         start = 0 if b == 0 else len(seqs[0])
         assert max_diff(out.logits[start : start + len(seqs[b])], ref) <= TOLERANCE, (variant, b)
 
@@ -98,7 +104,7 @@ def test_prefill_decode_truncate_match_transformers(tmp_path, variant, overrides
     for new in ([7, 8], [9]):
         out = model.forward(ForwardBatch.from_rows([new], [len(seqs[1])], [0]), cache)
         seqs[1] += new
-        assert max_diff(out.logits, reference_logits(reference, seqs[1])[-len(new):]) <= TOLERANCE, variant
+        assert max_diff(out.logits, reference_logits(reference, seqs[1])[-len(new) :]) <= TOLERANCE, variant
 
 
 def test_decode_after_truncate_equals_fresh_cache(tmp_path):
@@ -130,23 +136,24 @@ def test_a_prefill_longer_than_the_rotation_matrices_matches_transformers(tmp_pa
 
 @pytest.mark.parametrize("rope_parameters", [dict(YARN), None])
 def test_interleaved_rotation_matrices_and_elementwise_rotation_agree(rope_parameters):
-    rope = RotaryEmbedding({"rope_parameters": rope_parameters, "max_position_embeddings": 128}, 8, torch.float32)
+    rope = RotaryEmbedding(rope_settings(rope_parameters), 8, torch.float32)
     positions = torch.arange(200)
     x = torch.randn(len(positions), 3, 8, generator=torch.Generator().manual_seed(0))
-    by_matrix = torch.cat([apply_interleaved_rotary(x[i : i + 8], rope(positions[i : i + 8], i + 8))
-                           for i in range(0, 200, 8)])
-    elementwise = apply_interleaved_rotary(x, rope(positions, 200))
-    assert isinstance(rope(positions, 200), tuple) and isinstance(rope(positions[:8], 8), torch.Tensor)
+    by_matrix = torch.cat([rope(positions[i : i + 8], i + 8).apply(x[i : i + 8]) for i in range(0, 200, 8)])
+    elementwise = rope(positions, 200).apply(x)
+    assert isinstance(rope(positions, 200), InterleavedRotation)
+    assert isinstance(rope(positions[:8], 8), RotationMatrices)
     torch.testing.assert_close(by_matrix, elementwise)
 
 
 def test_the_rotary_table_grows_to_the_furthest_position_with_the_same_angles():
     """The table starts at 256 positions and doubles past them; every entry is YaRN's scaled cos/sin."""
-    rope = RotaryEmbedding({"rope_parameters": dict(YARN), "max_position_embeddings": 128}, 8, torch.float32)
+    rope = RotaryEmbedding(rope_settings(dict(YARN)), 8, torch.float32)
     rope(torch.arange(4), 4)
     assert len(rope.table) == 256
     positions = torch.cat([torch.tensor([3, 255, 256, 700]), torch.arange(100)])  # past 64: (cos, sin) come back
-    cos, sin = rope(positions, 701)
+    rotation = rope(positions, 701)
+    cos, sin = rotation.cos, rotation.sin
     assert len(rope.table) == 701
     angles = positions.float()[:, None] * rope.inv_freq
     torch.testing.assert_close(cos[:, :4], angles.cos() * rope.attention_factor)
@@ -168,8 +175,9 @@ def test_dense_experts_equal_the_dispatch_for_every_batch(dtype):
     tolerance = {} if dtype == torch.float32 else {"rtol": 0, "atol": 0.01 * scale}
     torch.testing.assert_close(experts.dense(x, weights, picked), together, **tolerance)
     for i in range(3):
-        torch.testing.assert_close(experts.dense(x[i : i + 1], weights[i : i + 1], picked[i : i + 1]),
-                                   together[i : i + 1], **tolerance)
+        torch.testing.assert_close(
+            experts.dense(x[i : i + 1], weights[i : i + 1], picked[i : i + 1]), together[i : i + 1], **tolerance
+        )
 
 
 def test_experts_run_densely_on_the_cpu_for_a_few_tokens_only(monkeypatch):
@@ -180,7 +188,11 @@ def test_experts_run_densely_on_the_cpu_for_a_few_tokens_only(monkeypatch):
     monkeypatch.setattr(moe, "DENSE_MAX_EXTRA_FLOPS", 3072 * 5)
     for tokens in (1, 5, 6):
         experts(torch.randn(tokens, 16), torch.rand(tokens, 2), torch.zeros(tokens, 2, dtype=torch.int64))
-    experts(torch.randn(1, 16, device="meta"), torch.rand(1, 2, device="meta"), torch.zeros(1, 2, dtype=torch.int64, device="meta"))
+    experts(
+        torch.randn(1, 16, device="meta"),
+        torch.rand(1, 2, device="meta"),
+        torch.zeros(1, 2, dtype=torch.int64, device="meta"),
+    )
     assert ran == [("dense", 1), ("dense", 5), ("dispatch", 6), ("dispatch", 1)]
 
 
@@ -249,8 +261,11 @@ def test_grouped_matmul_multiplies_each_group_by_its_weight(group_sizes, one_ker
 
 def test_grouped_mm_is_used_off_the_cpu_where_its_kernel_runs():
     """The meta device checks operands as CUDA does: bfloat16, 16-byte aligned rows."""
+
     def operands(device, dtype, out_features=16):
-        return torch.empty(6, 8, device=device, dtype=dtype), torch.empty(3, 8, out_features, device=device, dtype=dtype)
+        return torch.empty(6, 8, device=device, dtype=dtype), torch.empty(
+            3, 8, out_features, device=device, dtype=dtype
+        )
 
     assert moe.has_grouped_mm(*operands("meta", torch.bfloat16))
     assert not moe.has_grouped_mm(*operands("meta", torch.bfloat16, out_features=5))  # 10-byte rows
@@ -276,7 +291,7 @@ def test_published_rope_scaling_config_matches_transformers_yarn():
     """The published config.json spells YaRN as ``rope_scaling`` + ``rope_theta``; both spellings agree with HF."""
     published = {"rope_theta": 10000.0, "max_position_embeddings": 128, "rope_scaling": {**YARN, "type": "yarn"}}
     del published["rope_scaling"]["rope_type"], published["rope_scaling"]["rope_theta"]
-    ours = RotaryEmbedding(published, 8, torch.float32)
+    ours = RotaryEmbedding(model_config.RopeParameters.from_dict(published), 8, torch.float32)
     hf_inv_freq, hf_attention_factor = ROPE_INIT_FUNCTIONS["yarn"](tiny_config())
     assert torch.equal(ours.inv_freq, hf_inv_freq)
     assert ours.attention_factor == hf_attention_factor
@@ -307,9 +322,11 @@ def test_misshapen_tensor_error_names_key_and_shapes(tmp_path):
 def test_unsupported_config_is_rejected():
     config = tiny_config().to_dict() | {"scoring_func": "softmax"}
     with pytest.raises(ValueError, match="scoring_func='softmax'"):
-        DeepseekV3(config)
+        model_config.DeepseekV3Config.from_dict(config)
     with pytest.raises(ValueError, match="kv_lora_rank"):
-        DeepseekV3({k: v for k, v in tiny_config().to_dict().items() if k != "kv_lora_rank"})
+        model_config.DeepseekV3Config.from_dict(
+            {k: v for k, v in tiny_config().to_dict().items() if k != "kv_lora_rank"}
+        )
 
 
 def test_unused_checkpoint_tensors_are_reported(tmp_path):

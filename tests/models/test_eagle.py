@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from tandem.models import CheckpointError, DraftInput, ForwardBatch, load_draft, load_target
-from tandem.models.eagle import Eagle
+from tandem.models.drafts.eagle import Eagle
 from tests.models.conftest import ForcedTokens
 
 HEADS, KV_HEADS, THETA = 4, 2, 10000.0
@@ -80,8 +80,9 @@ def test_propose_matches_the_uncached_reference_across_rollbacks(tmp_path, targe
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(512, (n,), generator=g) for n in (9, 5)]
     tcache, dcache = target.new_cache(2, 32), draft.new_cache(2, 32)
-    hidden = target.forward(ForwardBatch.from_rows([s.tolist() for s in seqs], [0, 0], [1, 0]), tcache,
-                            return_hidden=True).hidden
+    hidden = target.forward(
+        ForwardBatch.from_rows([s.tolist() for s in seqs], [0, 0], [1, 0]), tcache, return_hidden=True
+    ).hidden
     feats = [hidden[:9], hidden[9:]]
     # Round 1: committed x_1..x_{n-1} paired with h_0..h_{n-2}; round 2 after a rollback: the engine
     # truncates to the first new position and sends the newly committed tokens with the target's hidden.
@@ -100,7 +101,7 @@ def test_propose_matches_the_uncached_reference_across_rollbacks(tmp_path, targe
     dcache.truncate([1, 0], starts)
     batch = ForwardBatch.from_rows(extra, starts, [1, 0])
     proposal = draft.propose(DraftInput(batch=batch, hidden=new_hidden, history=None), dcache, 3)
-    for b, (rows_new, h_new) in enumerate([(slice(0, 3), new_hidden[:3]), (slice(3, 4), new_hidden[3:])]):
+    for b, h_new in enumerate([new_hidden[:3], new_hidden[3:]]):
         features = torch.cat([feats[b][:-1], h_new])
         tokens = torch.cat([seqs[b][1:], torch.tensor(extra[b])])
         expected = reference_propose(reference, w, target, features, tokens, 3)
@@ -123,7 +124,9 @@ def test_mismatched_pairs_and_shapes_fail_with_names(tmp_path, target):
     w = write_eagle(tmp_path / "bad")
     w["layers.0.mlp.up_proj.weight"] = torch.zeros(95, 64)
     save_file(w, tmp_path / "bad" / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"'layers\.0\.mlp\.up_proj\.weight' has shape \(95, 64\), expected \(96, 64\)"):
+    with pytest.raises(
+        CheckpointError, match=r"'layers\.0\.mlp\.up_proj\.weight' has shape \(95, 64\), expected \(96, 64\)"
+    ):
         load_draft(tmp_path / "bad", target)
 
 
@@ -132,8 +135,9 @@ def test_a_constraint_confines_each_proposal(tmp_path, target):
     draft = load_draft(tmp_path, target)
     constraint = ForcedTokens([[3, 400, 3, 7], [511, 0, 9, 9]], 512)
     tokens = torch.randint(512, (2, 6), generator=torch.Generator().manual_seed(4))
-    hidden = target.forward(ForwardBatch.from_rows(tokens.tolist(), [0, 0], [0, 1]), target.new_cache(2, 16),
-                            return_hidden=True).hidden
+    hidden = target.forward(
+        ForwardBatch.from_rows(tokens.tolist(), [0, 0], [0, 1]), target.new_cache(2, 16), return_hidden=True
+    ).hidden
     batch = ForwardBatch.from_rows(tokens[:, 1:].tolist(), [1, 1], [0, 1])
     inp = DraftInput(batch, torch.cat([hidden[:5], hidden[6:11]]), None, constraint)
     constraint.check(draft.propose(inp, draft.new_cache(2, 16), 4))

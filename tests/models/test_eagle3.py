@@ -10,14 +10,24 @@ import torch
 from safetensors.torch import save_file
 
 from tandem.models import CheckpointError, DraftInput, ForwardBatch, load_draft, load_target
-from tandem.models.eagle3 import Eagle3
+from tandem.models.drafts.eagle3 import Eagle3
 from tests.models.conftest import FavouredTokens, ForcedTokens
 
 HEADS, KV_HEADS, THETA, DRAFT_VOCAB = 4, 2, 10000.0, 128  # no rope_theta in the config: 10000
 
 
-def write_eagle3(path, *, prefix="midlayer.", hidden=64, inter=96, vocab=512, draft_vocab=DRAFT_VOCAB,
-                 aux_ids=(0, 1, 2), arch="LlamaForCausalLMEagle3", seed=0):
+def write_eagle3(
+    path,
+    *,
+    prefix="midlayer.",
+    hidden=64,
+    inter=96,
+    vocab=512,
+    draft_vocab=DRAFT_VOCAB,
+    aux_ids=(0, 1, 2),
+    arch="LlamaForCausalLMEagle3",
+    seed=0,
+):
     """A synthetic EAGLE-3 checkpoint with the published key names/shapes; returns its tensors."""
     g = torch.Generator().manual_seed(seed)
 
@@ -59,8 +69,13 @@ def write_eagle3(path, *, prefix="midlayer.", hidden=64, inter=96, vocab=512, dr
 
 def reference_outputs(ref, w, target, fused, tokens):
     """EAGLE-3's uncached layer: ``fused [n, H]`` hidden (fc output or fed back), ``tokens [n]`` -> ``[n, H]``."""
-    x = torch.cat([ref.rms(target.embed(tokens), w["midlayer.input_layernorm.weight"]),
-                   ref.rms(fused, w["midlayer.hidden_norm.weight"])], -1)
+    x = torch.cat(
+        [
+            ref.rms(target.embed(tokens), w["midlayer.input_layernorm.weight"]),
+            ref.rms(fused, w["midlayer.hidden_norm.weight"]),
+        ],
+        -1,
+    )
     positions = torch.arange(1, len(tokens) + 1)
     h = fused + ref.attention(x, w, "midlayer.self_attn.", positions, HEADS, KV_HEADS, THETA)
     return h + ref.mlp(ref.rms(h, w["midlayer.post_attention_layernorm.weight"]), w, "midlayer.mlp.")
@@ -81,12 +96,14 @@ def check_against_reference(draft, target, w, reference, vocab):
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(vocab, (n,), generator=g) for n in (8, 5)]
     tcache, dcache = target.new_cache(2, 32), draft.new_cache(2, 32)
-    aux = target.forward(ForwardBatch.from_rows([s.tolist() for s in seqs], [0, 0], [0, 1]), tcache,
-                         return_aux=True).aux_hidden
+    aux = target.forward(
+        ForwardBatch.from_rows([s.tolist() for s in seqs], [0, 0], [0, 1]), tcache, return_aux=True
+    ).aux_hidden
     auxes = [aux[:8], aux[8:]]
     batch = ForwardBatch.from_rows([s[1:].tolist() for s in seqs], [1, 1], [0, 1])
-    proposal = draft.propose(DraftInput(batch=batch, hidden=torch.cat([a[:-1] for a in auxes]), history=None),
-                             dcache, 4)
+    proposal = draft.propose(
+        DraftInput(batch=batch, hidden=torch.cat([a[:-1] for a in auxes]), history=None), dcache, 4
+    )
     assert proposal.probs is None and proposal.tokens.shape == (2, 4)
     for b in range(2):
         assert proposal.tokens[b].tolist() == reference_propose(reference, w, target, auxes[b][:-1], seqs[b][1:], 4)
@@ -97,8 +114,14 @@ def check_against_reference(draft, target, w, reference, vocab):
     new_aux = target.forward(verify, tcache, return_aux=True).aux_hidden
     proposal = draft.propose(DraftInput(ForwardBatch.from_rows(new_tokens, [8, 5], [0, 1]), new_aux, None), dcache, 3)
     for b, a_new in enumerate((new_aux[:2], new_aux[2:])):
-        expected = reference_propose(reference, w, target, torch.cat([auxes[b][:-1], a_new]),
-                                     torch.cat([seqs[b][1:], torch.tensor(new_tokens[b])]), 3)
+        expected = reference_propose(
+            reference,
+            w,
+            target,
+            torch.cat([auxes[b][:-1], a_new]),
+            torch.cat([seqs[b][1:], torch.tensor(new_tokens[b])]),
+            3,
+        )
         assert proposal.tokens[b].tolist() == expected
     kept = w["d2t"] + torch.arange(len(w["d2t"]))
     assert torch.isin(proposal.tokens, kept).all()  # every proposal is a mapped draft-vocab id
@@ -178,8 +201,9 @@ def test_a_constraint_confines_each_proposal_to_allowed_draft_vocab_ids(tmp_path
     kept = (w["d2t"] + torch.arange(DRAFT_VOCAB)).tolist()  # the target ids the draft can propose
     constraint = ForcedTokens([[kept[5], kept[17], kept[3]], [kept[1], kept[90], kept[0]]], 512)
     tokens = torch.randint(512, (2, 6), generator=torch.Generator().manual_seed(4))
-    aux = target.forward(ForwardBatch.from_rows(tokens.tolist(), [0, 0], [0, 1]), target.new_cache(2, 16),
-                         return_aux=True).aux_hidden
+    aux = target.forward(
+        ForwardBatch.from_rows(tokens.tolist(), [0, 0], [0, 1]), target.new_cache(2, 16), return_aux=True
+    ).aux_hidden
     batch = ForwardBatch.from_rows(tokens[:, 1:].tolist(), [1, 1], [0, 1])
     hidden = torch.cat([aux[:5], aux[6:11]])
     constraint.check(draft.propose(DraftInput(batch, hidden, None, constraint), draft.new_cache(2, 16), 3))
@@ -192,8 +216,9 @@ def test_adjusted_logits_steer_each_proposal_within_the_draft_vocab(tmp_path, ta
     kept = (w["d2t"] + torch.arange(DRAFT_VOCAB)).tolist()
     missing = next(t for t in range(512) if t not in kept)
     tokens = torch.randint(512, (2, 6), generator=torch.Generator().manual_seed(4))
-    aux = target.forward(ForwardBatch.from_rows(tokens.tolist(), [0, 0], [0, 1]), target.new_cache(2, 16),
-                         return_aux=True).aux_hidden
+    aux = target.forward(
+        ForwardBatch.from_rows(tokens.tolist(), [0, 0], [0, 1]), target.new_cache(2, 16), return_aux=True
+    ).aux_hidden
     batch = ForwardBatch.from_rows(tokens[:, 1:].tolist(), [1, 1], [0, 1])
     hidden = torch.cat([aux[:5], aux[6:11]])
     favoured = FavouredTokens([[kept[5], kept[17], kept[3]], [kept[1], kept[90], kept[0]]])

@@ -14,11 +14,12 @@ import torch
 
 from tandem.llm import resolve_model
 from tandem.models import DraftInput, ForwardBatch
+from tandem.models.config import DeepseekV3Config, Eagle3Config, EagleConfig, LlamaConfig
 from tandem.models.deepseek_v3 import DeepseekV3
-from tandem.models.eagle import Eagle
-from tandem.models.eagle3 import Eagle3
+from tandem.models.drafts.eagle import Eagle
+from tandem.models.drafts.eagle3 import Eagle3
+from tandem.models.drafts.mtp import MultiTokenPredictor
 from tandem.models.llama3 import Llama3
-from tandem.models.mtp import MultiTokenPredictor
 
 META = {"dtype": torch.float32, "device": "meta"}
 
@@ -50,20 +51,24 @@ def chain(draft, hidden_width: int, k: int = 4, dtype: torch.dtype = torch.float
 
 
 def test_llama_and_its_eagle_drafts_never_read_the_device():
-    target = Llama3(demo_config("demo-llama"), **META)
+    target = Llama3(LlamaConfig.from_dict(demo_config("demo-llama")), **META)
     out = prefill_then_verify(target, target.new_cache(3, 32), return_hidden=True, return_aux=True)
     assert out.hidden.is_meta and out.aux_hidden.is_meta
     draft_dir = resolve_model("demo-llama").parent
     eagle_config = json.loads((draft_dir / "demo-llama-eagle" / "config.json").read_text())
-    chain(Eagle(eagle_config, target, **META), target.hidden_size)
+    chain(Eagle(EagleConfig.from_dict(eagle_config), target, **META), target.hidden_size)
     eagle3_config = json.loads((draft_dir / "demo-llama-eagle3" / "config.json").read_text())
-    chain(Eagle3(eagle3_config, target, **META), len(target.aux_layer_ids) * target.hidden_size)
+    chain(Eagle3(Eagle3Config.from_dict(eagle3_config), target, **META), len(target.aux_layer_ids) * target.hidden_size)
 
 
 def test_deepseek_and_its_mtp_layer_never_read_the_device():
     """In bfloat16, the dtype whose grouped matmul the meta kernels (like CUDA's) accept."""
     config = demo_config("demo-deepseek")
     assert config["first_k_dense_replace"] < config["num_hidden_layers"]  # MoE layers, the MTP layer's too
-    target = DeepseekV3(config, dtype=torch.bfloat16, device="meta")
+    target = DeepseekV3(DeepseekV3Config.from_dict(config), dtype=torch.bfloat16, device="meta")
     prefill_then_verify(target, target.new_cache(3, 32), return_hidden=True)
-    chain(MultiTokenPredictor(config, target, dtype=torch.bfloat16, device="meta"), target.hidden_size, dtype=torch.bfloat16)
+    chain(
+        MultiTokenPredictor(DeepseekV3Config.from_dict(config), target, dtype=torch.bfloat16, device="meta"),
+        target.hidden_size,
+        dtype=torch.bfloat16,
+    )

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tandem.models.layers import RMSNorm
+from tandem.models.norm import RMSNorm
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tandem.models import ForwardBatch, load_target
-from tandem.models.llama3 import Rotary, apply_rotary, rope_inv_freq
-from tandem.models.rope import MAX_ROTATION_MATRIX_TOKENS
+from tandem.models.config import RopeParameters
+from tandem.models.rope import MAX_ROTATION_MATRIX_TOKENS, HalfSplitRotation, Rotary, RotationMatrices, rope_inv_freq
 
 TOL = 1e-4
 
@@ -32,8 +32,12 @@ def sequences(seed: int, lengths: list[int], vocab: int = 512) -> list[list[int]
     scope="module",
     params=[
         dict(),  # GQA, llama3 RoPE scaling, untied head
-        dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-             num_key_value_heads=4, attention_bias=True),
+        dict(
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            num_key_value_heads=4,
+            attention_bias=True,
+        ),
         dict(max_shard_size="60KB"),  # sharded save with model.safetensors.index.json
     ],
     ids=["gqa-llama3rope", "tied-mha-bias", "sharded"],
@@ -70,7 +74,10 @@ def test_incremental_decode_and_verify_chunks_match_transformers(pair, slot_a, s
     # single-token decodes and k+1 verify chunks, equal (no padding) and ragged, two rows and one
     for step_a, step_b in [(1, 1), (4, 1), (2, 2), (3, 0), (1, 0)]:
         rows, starts, slots, refs = [], [], [], []
-        for step, pos, full, ref, slot in ((step_a, pos_a, full_a, ref_a, slot_a), (step_b, pos_b, full_b, ref_b, slot_b)):
+        for step, pos, full, ref, slot in (
+            (step_a, pos_a, full_a, ref_a, slot_a),
+            (step_b, pos_b, full_b, ref_b, slot_b),
+        ):
             if step:
                 rows.append(full[pos : pos + step]), starts.append(pos), slots.append(slot)
                 refs.append(ref[pos : pos + step])
@@ -91,12 +98,13 @@ def test_a_prefill_longer_than_the_rotation_matrices_matches_transformers(pair):
 
 
 def test_rotation_matrices_and_elementwise_rotation_agree(llama3_rope):
-    config = {"rope_parameters": llama3_rope}
-    rotary, positions = Rotary(config, 16, torch.float32), torch.arange(200)
+    rope = RopeParameters.from_dict({"rope_parameters": llama3_rope})
+    rotary, positions = Rotary(rope, 16, torch.float32), torch.arange(200)
     x = torch.randn(len(positions), 3, 16)
-    by_matrix = torch.cat([apply_rotary(x[i : i + 8], rotary(positions[i : i + 8], i + 8)) for i in range(0, 200, 8)])
-    elementwise = apply_rotary(x, rotary(positions, 200))
-    assert isinstance(rotary(positions, 200), tuple) and isinstance(rotary(positions[:8], 8), torch.Tensor)
+    by_matrix = torch.cat([rotary(positions[i : i + 8], i + 8).apply(x[i : i + 8]) for i in range(0, 200, 8)])
+    elementwise = rotary(positions, 200).apply(x)
+    assert isinstance(rotary(positions, 200), HalfSplitRotation)
+    assert isinstance(rotary(positions[:8], 8), RotationMatrices)
     torch.testing.assert_close(by_matrix, elementwise)
 
 
@@ -118,16 +126,17 @@ def test_truncate_and_redecode_equals_a_fresh_cache_and_transformers(pair):
 
     fresh_cache = target.new_cache(num_slots=1, max_len=32)
     fresh = target.forward(ForwardBatch.from_rows([committed + replacement], [0], [0]), fresh_cache).logits
-    assert max_diff(redecoded, fresh[len(committed):]) <= TOL
-    assert max_diff(redecoded, hf_forward(hf, committed + replacement)[0][len(committed):]) <= TOL
+    assert max_diff(redecoded, fresh[len(committed) :]) <= TOL
+    assert max_diff(redecoded, hf_forward(hf, committed + replacement)[0][len(committed) :]) <= TOL
 
 
 def test_hidden_is_the_normed_last_layer_and_aux_the_layer_inputs(pair):
     target, hf = pair
     (row,) = sequences(5, [10])
     target.aux_layer_ids = (1, 2, target.num_layers)
-    out = target.forward(ForwardBatch.from_rows([row], [0], [0]), target.new_cache(1, 16),
-                         return_hidden=True, return_aux=True)
+    out = target.forward(
+        ForwardBatch.from_rows([row], [0], [0]), target.new_cache(1, 16), return_hidden=True, return_aux=True
+    )
     _, hidden_states = hf_forward(hf, row)
     assert max_diff(out.hidden, hidden_states[-1]) <= TOL
     assert max_diff(out.aux_hidden, torch.cat([hidden_states[i] for i in target.aux_layer_ids], -1)) <= TOL
@@ -147,8 +156,12 @@ def test_bfloat16_load_runs_in_bfloat16_close_to_fp32(llama_dir):
 
 def test_legacy_rope_scaling_keys_give_the_same_frequencies(llama3_rope):
     legacy = {"rope_theta": 10000.0, "rope_scaling": {k: v for k, v in llama3_rope.items() if k != "rope_theta"}}
-    assert torch.equal(rope_inv_freq(legacy, 16), rope_inv_freq({"rope_parameters": llama3_rope}, 16))
-    assert not torch.equal(rope_inv_freq(legacy, 16), rope_inv_freq({"rope_theta": 10000.0}, 16))
+
+    def inv_freq(config):
+        return rope_inv_freq(RopeParameters.from_dict(config), 16)
+
+    assert torch.equal(inv_freq(legacy), inv_freq({"rope_parameters": llama3_rope}))
+    assert not torch.equal(inv_freq(legacy), inv_freq({"rope_theta": 10000.0}))
 
 
 def test_cache_rejects_a_row_that_skips_positions(llama_dir):

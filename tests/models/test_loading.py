@@ -29,15 +29,21 @@ def llama_copy(llama_dir, tmp_path):
 
 def test_misshapen_tensor_error_names_the_key_and_both_shapes(llama_copy):
     rewrite_weights(llama_copy, lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(64, 64)}))
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' has shape \(64, 64\), "
-                                              r"expected \(32, 64\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' has shape \(64, 64\), "
+        r"expected \(32, 64\)",
+    ):
         load_target(llama_copy)
 
 
 def test_missing_tensor_error_names_the_key_and_similar_ones(llama_copy):
     rewrite_weights(llama_copy, lambda t: t.__setitem__("model.norm.weightt", t.pop("model.norm.weight")))
-    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.norm\.weight' \(expected shape \(64,\)\); "
-                                              r"similar keys: \['model\.norm\.weightt'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing tensor 'model\.norm\.weight' \(expected shape \(64,\)\); "
+        r"similar keys: \['model\.norm\.weightt'",
+    ):
         load_target(llama_copy)
 
 
@@ -59,7 +65,10 @@ def test_sharded_reader_reports_a_missing_shard(tmp_path, save_llama):
 def test_unknown_model_type_and_draft_kind_fail_clearly(llama_copy, llama_dir):
     config = json.loads((llama_copy / "config.json").read_text())
     (llama_copy / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
-    with pytest.raises(ValueError, match=r"config\.json: unknown target model_type 'gpt_neox': supported are \['deepseek_v3', 'llama'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json: unknown target model_type 'gpt_neox': supported are \['deepseek_v3', 'llama'\]",
+    ):
         load_target(llama_copy)
     (llama_copy / "config.json").write_text(json.dumps({**config, "architectures": ["GPTNeoXForCausalLM"]}))
     with pytest.raises(ValueError, match="unknown draft architecture 'GPTNeoXForCausalLM'"):
@@ -84,8 +93,10 @@ def test_dtype_comes_from_the_argument_then_the_config_then_float32():
 
 
 def test_reader_converts_dtype_and_rejects_fp8(tmp_path):
-    save_file({"a": torch.ones(2, dtype=torch.bfloat16), "q": torch.zeros(2).to(torch.float8_e4m3fn)},
-              tmp_path / "model.safetensors")
+    save_file(
+        {"a": torch.ones(2, dtype=torch.bfloat16), "q": torch.zeros(2).to(torch.float8_e4m3fn)},
+        tmp_path / "model.safetensors",
+    )
     reader = WeightReader(tmp_path, dtype=torch.float16)
     assert reader.take("a", (2,)).dtype is torch.float16
     with pytest.raises(CheckpointError, match="'q' is torch.float8_e4m3fn: dequantize"):

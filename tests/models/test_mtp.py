@@ -170,8 +170,9 @@ def test_a_constraint_confines_each_proposal(tmp_path):
     draft = load_draft("mtp", target)
     constraint = ForcedTokens([[3, 400, 3], [511, 0, 9]], 512)
     seqs = torch.randint(512, (2, 6), generator=torch.Generator().manual_seed(4)).tolist()
-    hidden = target.forward(ForwardBatch.from_rows(seqs, [0, 0], [0, 1]), target.new_cache(2, 16),
-                            return_hidden=True).hidden.split([6, 6])
+    hidden = target.forward(
+        ForwardBatch.from_rows(seqs, [0, 0], [0, 1]), target.new_cache(2, 16), return_hidden=True
+    ).hidden.split([6, 6])
     inp = pairs_input([s[1:] for s in seqs], [1, 1], [0, 1], [h[:-1] for h in hidden])
     inp.constraint = constraint
     constraint.check(draft.propose(inp, draft.new_cache(2, 16), 3))

@@ -16,20 +16,36 @@ from tandem.llm import LLM
 from tandem.models import ForwardBatch, load_draft, load_target
 from tandem.models.base import DraftInput
 from tandem.models.deepseek_v3 import MultiHeadLatentAttention
-from tandem.models.layers import Linear, MergedLinear, RMSNorm, narrow_exact_weights
+from tandem.models.linear import Linear, MergedLinear, narrow_exact_weights
 from tandem.models.moe import RoutedExperts
+from tandem.models.norm import RMSNorm
 
-PAIRS = [("demo-llama", ASSETS_DIR / "demo-llama-eagle3"), ("demo-llama", ASSETS_DIR / "demo-llama-eagle"),
-         ("demo-deepseek", "mtp")]
+PAIRS = [
+    ("demo-llama", ASSETS_DIR / "demo-llama-eagle3"),
+    ("demo-llama", ASSETS_DIR / "demo-llama-eagle"),
+    ("demo-deepseek", "mtp"),
+]
 
 
 def narrowable_dtypes(module: torch.nn.Module) -> dict[str, torch.dtype]:
-    return {f"{type(m).__name__}.{name}": getattr(m, name).dtype
-            for m in module.modules() for name in getattr(m, "narrowable", ())}
+    return {
+        f"{type(m).__name__}.{name}": getattr(m, name).dtype
+        for m in module.modules()
+        for name in getattr(m, "narrowable", ())
+    }
 
 
-@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not cpu_linear.available(), reason="the CPU kernel is not built or needs AVX-512"))], ids=["F.linear", "kernel"])
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(not cpu_linear.available(), reason="the CPU kernel is not built or needs AVX-512"),
+        ),
+    ],
+    ids=["F.linear", "kernel"],
+)
 @pytest.mark.parametrize("model, draft_kind", PAIRS, ids=lambda p: getattr(p, "name", p))
 @torch.inference_mode()
 def test_narrowed_target_and_draft_compute_the_wide_results(model, draft_kind, kernel, monkeypatch):
@@ -70,9 +86,12 @@ def test_weights_bfloat16_cannot_hold_keep_their_dtype():
             param.copy_(torch.randn(param.shape).bfloat16().float())
         layers[0].weight[0, 0] = 1 + 2**-20  # needs more mantissa than bfloat16's 8 bits
     assert narrow_exact_weights(layers) == 3
-    assert narrowable_dtypes(layers) == {"Linear.weight": torch.float32, "MergedLinear.weight": torch.bfloat16,
-                                         "RoutedExperts.gate_up": torch.bfloat16,
-                                         "RoutedExperts.down": torch.bfloat16}
+    assert narrowable_dtypes(layers) == {
+        "Linear.weight": torch.float32,
+        "MergedLinear.weight": torch.bfloat16,
+        "RoutedExperts.gate_up": torch.bfloat16,
+        "RoutedExperts.down": torch.bfloat16,
+    }
     assert layers[0].bias.dtype == torch.float32  # biases are not listed
     x = torch.randn(2, 4)
     assert layers[1](x).dtype == torch.float32

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tandem.models import DraftInput, ForwardBatch, load_draft
-from tandem.models.ngram import NgramDraft, lookup
+from tandem.models.drafts.ngram import NgramDraft, lookup
 
 
 def t(values):

@@ -13,8 +13,13 @@ from tandem.llm import best_draft, resolve_model
 from tests.serve.conftest import MODEL
 
 ARITHMETIC = [{"role": "user", "content": "What is 7 + 5?"}]
-CONTACT = [{"role": "user", "content": "Extract the contact details from this text: Bob Smith is 33 years old "
-                                       "and lives in Rome. You can reach them at bob.smith@mail.com."}]
+CONTACT = [
+    {
+        "role": "user",
+        "content": "Extract the contact details from this text: Bob Smith is 33 years old "
+        "and lives in Rome. You can reach them at bob.smith@mail.com.",
+    }
+]
 WEATHER = [{"role": "user", "content": "What will the weather be in Paris over the next 3 days? Use celsius."}]
 
 
@@ -52,12 +57,18 @@ def test_speculative_stats_ride_in_their_own_field(client):
     stats = _chat(client, max_tokens=12).speculative_decoding
     assert stats["draft"] == best_draft(resolve_model(MODEL)) and stats["num_speculative_tokens"] == 4
     assert 1 <= stats["steps"] <= 12 and 0 <= stats["accepted"] <= stats["drafted"]
-    assert stats["mean_accepted_length"] == pytest.approx((stats["accepted"] + stats["steps"]) / stats["steps"], abs=1e-3)
+    assert stats["mean_accepted_length"] == pytest.approx(
+        (stats["accepted"] + stats["steps"]) / stats["steps"], abs=1e-3
+    )
 
 
 def test_json_schema_answer_is_valid(client):
-    response = _chat(client, CONTACT, max_tokens=120,
-                     response_format={"type": "json_schema", "json_schema": {"name": "contact", "schema": CONTACT_SCHEMA}})
+    response = _chat(
+        client,
+        CONTACT,
+        max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": "contact", "schema": CONTACT_SCHEMA}},
+    )
     choice = response.choices[0]
     assert choice.finish_reason == "stop"
     assert choice.message.reasoning_content  # the schema applies to the answer only
@@ -95,8 +106,12 @@ def test_chat_logprobs_cover_every_token_streamed_or_not(client):
     message = whole.choices[0].message
     assert "".join(entry.token for entry in content).endswith(message.content)
     chunks = list(_chat(client, max_tokens=24, logprobs=True, top_logprobs=3, stream=True))
-    streamed = [entry for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
-                for entry in chunk.choices[0].logprobs.content]
+    streamed = [
+        entry
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
     assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
     assert _chat(client, max_tokens=4).choices[0].logprobs is None
 
@@ -119,8 +134,13 @@ def test_stop_string_ends_the_answer(client):
 
 
 def test_named_tool_call_follows_the_tool_schema(client):
-    response = _chat(client, WEATHER, max_tokens=80, tools=TOOLS,
-                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    response = _chat(
+        client,
+        WEATHER,
+        max_tokens=80,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -164,17 +184,24 @@ def test_a_streamed_tool_call_arrives_piecewise_and_equals_the_unstreamed_one(cl
 
 
 def test_tool_results_continue_the_conversation(client):
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius", "days": 3}'}}
-    messages = [*WEATHER, {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "sunny, 21 C"}'}]
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius", "days": 3}'},
+    }
+    messages = [
+        *WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "sunny, 21 C"}'},
+    ]
     response = _chat(client, messages, max_tokens=8, tools=[WEATHER_TOOL])
     assert response.usage.completion_tokens == 8
 
 
 def test_text_completion_batch_gives_a_choice_per_prompt(client):
-    response = client.completions.create(model=MODEL, prompt=["The weather in", "Contact:"], max_tokens=5,
-                                         temperature=0)
+    response = client.completions.create(
+        model=MODEL, prompt=["The weather in", "Contact:"], max_tokens=5, temperature=0
+    )
     assert [c.index for c in response.choices] == [0, 1]
     assert all(c.finish_reason == "length" for c in response.choices)
     assert response.usage.completion_tokens == 10
@@ -182,8 +209,9 @@ def test_text_completion_batch_gives_a_choice_per_prompt(client):
 
 def test_text_completion_streams(client):
     whole = client.completions.create(model=MODEL, prompt="The weather in", max_tokens=6, temperature=0)
-    chunks = list(client.completions.create(model=MODEL, prompt="The weather in", max_tokens=6, temperature=0,
-                                            stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt="The weather in", max_tokens=6, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -193,7 +221,9 @@ def test_text_completion_logprobs_streamed_or_not(client):
     whole = client.completions.create(**request).choices[0]
     logprobs = whole.logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
-    assert all(len(top) == 2 and max(top.values()) == lp for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    assert all(
+        len(top) == 2 and max(top.values()) == lp for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs)
+    )
     assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(6)]
     chunks = list(client.completions.create(**request, stream=True))
     pieces = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
@@ -210,7 +240,9 @@ def test_metrics_count_requests_and_tokens(client, http):
     after = http.get("/metrics")
     assert after.headers["content-type"].startswith("text/plain")
     assert value(after.text, "tandem_generation_tokens_total") - value(before, "tandem_generation_tokens_total") == 5
-    assert value(after.text, 'tandem_requests_finished_total{finish_reason="length"}') == \
-        value(before, 'tandem_requests_finished_total{finish_reason="length"}') + 1
+    assert (
+        value(after.text, 'tandem_requests_finished_total{finish_reason="length"}')
+        == value(before, 'tandem_requests_finished_total{finish_reason="length"}') + 1
+    )
     assert value(after.text, "tandem_step_seconds_count") > value(before, "tandem_step_seconds_count")
     assert "tandem_draft_tokens_total" in after.text and "tandem_mean_acceptance_length" in after.text

@@ -54,11 +54,24 @@ def test_unknown_model_is_404(http):
     assert error["code"] == "model_not_found" and "gpt-17" in error["message"]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", 2.5), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5), ("n", 0), ("n", 99),
-    ("max_tokens", 0), ("max_completion_tokens", -1), ("stop", ["a", "b", "c", "d", "e"]), ("top_logprobs", 21),
-    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", 2.5),
+        ("top_p", 0.0),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("n", 0),
+        ("n", 99),
+        ("max_tokens", 0),
+        ("max_completion_tokens", -1),
+        ("stop", ["a", "b", "c", "d", "e"]),
+        ("top_logprobs", 21),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+    ],
+)
 def test_out_of_range_param_is_named(http, field, value):
     error = _error(_post(http, _chat(**{field: value})), 400)
     assert error["param"] == field
@@ -99,8 +112,15 @@ def test_prompt_token_ids_outside_the_vocabulary_are_refused_and_the_server_goes
 
 
 def test_unimplemented_fields_at_their_neutral_values_and_unknown_fields_are_accepted(http):
-    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1,
-               "user": "u-1", "parallel_tool_calls": True, "x_vendor_extension": [1]}
+    neutral = {
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+        "best_of": 1,
+        "user": "u-1",
+        "parallel_tool_calls": True,
+        "x_vendor_extension": [1],
+    }
     assert _post(http, _chat(**neutral)).status_code == 200
     completion = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "echo": False, "best_of": 1}
     assert _post(http, completion, "/v1/completions").status_code == 200
@@ -154,8 +174,12 @@ def test_unknown_route_is_an_error_object(http):
 
 def test_bad_request_between_good_ones_leaves_them_intact(http):
     good = _chat(max_tokens=24)
-    bad = _chat(response_format={"type": "json_schema",
-                                 "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}})
+    bad = _chat(
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+        }
+    )
     reference = _post(http, good).json()["choices"][0]["message"]
     with ThreadPoolExecutor(5) as pool:
         results = list(pool.map(lambda body: _post(http, body), [good, bad, good, b"{", good]))
@@ -173,8 +197,11 @@ def test_client_disconnect_mid_stream_frees_the_request(server):
     with httpx.Client(base_url=server.base_url.removesuffix("/v1"), timeout=60) as http:
         aborted = _metric(http, 'tandem_requests_finished_total{finish_reason="abort"}')
         endless = {"type": "array", "items": {"type": "integer"}, "minItems": 1000}  # no early stop
-        body = _chat(max_tokens=2000, stream=True,
-                     response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": endless}})
+        body = _chat(
+            max_tokens=2000,
+            stream=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": endless}},
+        )
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             first = next(response.iter_lines())
             assert re.match(r"data: \{", first)

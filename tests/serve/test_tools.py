@@ -14,10 +14,15 @@ from tandem.serve.tools import CallStream, plan
 
 NAMES = ["get_weather", "get_weather_now", "search"]
 WHITESPACE = st.text(" \n\t", max_size=2)
-ARGUMENTS = st.dictionaries(st.text(max_size=6), st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(alphabet=' a}{",:\\\n', max_size=6),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-    max_leaves=6), max_size=4)
+ARGUMENTS = st.dictionaries(
+    st.text(max_size=6),
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(alphabet=' a}{",:\\\n', max_size=6),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+        max_leaves=6,
+    ),
+    max_size=4,
+)
 
 
 @st.composite
@@ -61,10 +66,20 @@ def test_a_call_cut_short_sends_all_it_has(data, call):
     assert "".join(entry["function"]["arguments"] for entry in entries) == cut[head_end:].strip()
 
 
-@given(st.data(), st.sampled_from([
-    '{"label": "positive"}', '{"name": "get_weather"}', '{"name": "other", "arguments": {}}',
-    '{"arguments": {}, "name": "search"}', '{"name": "get_weathe", "arguments": {}}', '["search"]', "search",
-]))
+@given(
+    st.data(),
+    st.sampled_from(
+        [
+            '{"label": "positive"}',
+            '{"name": "get_weather"}',
+            '{"name": "other", "arguments": {}}',
+            '{"arguments": {}, "name": "search"}',
+            '{"name": "get_weathe", "arguments": {}}',
+            '["search"]',
+            "search",
+        ]
+    ),
+)
 def test_answers_that_do_not_start_a_call_send_nothing(data, text):
     stream, entries = _stream(_pieces(data.draw, text), complete=True)
     assert not stream.is_call and entries == []
@@ -72,8 +87,9 @@ def test_answers_that_do_not_start_a_call_send_nothing(data, text):
 
 def test_calls_stream_only_where_a_call_shaped_answer_must_be_a_call():
     def streams(**request) -> bool:
-        body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL],
-                                     **request)
+        body = ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL], **request
+        )
         return plan(body).stream_calls
 
     named = {"type": "function", "function": {"name": "get_weather"}}

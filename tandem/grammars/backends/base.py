@@ -6,8 +6,9 @@ a rejected token never changes state, so a mask walk can probe drafts and roll b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 

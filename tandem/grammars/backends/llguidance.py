@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import llguidance
 import llguidance.hf
-from llguidance.gbnf_to_lark import gbnf_to_lark
 import torch
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from tandem.grammars.backends.base import EosTerminatedMatcher
 from tandem.grammars.spec import GrammarSpec

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import xgrammar as xgr
 import torch
+import xgrammar as xgr
 
 from tandem.grammars.spec import GrammarSpec
 from tandem.grammars.tokenizer import GrammarTokenizer

@@ -1,0 +1,46 @@
+"""The `tandem` command line.
+
+Each subcommand is a module of this package exposing `add_arguments(parser)` and
+`run(args) -> int`; the library code it runs lives in the packages beside it. This file only
+wires them up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Modules are imported only when their command runs.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("tandem.cli.generate", "generate a reasoned answer for one prompt (demo model by default)"),
+    "serve": ("tandem.cli.serve", "OpenAI-compatible HTTP server (chat, completions, JSON schema, tools)"),
+    "bench": ("tandem.cli.bench", "speculative vs plain decoding on the demo models (JSON)"),
+    "demo": ("tandem.cli.acceptance_demo", "run the acceptance pipeline on a synthetic mixed batch"),
+    "eval-schemas": ("tandem.cli.eval_schemas", "check grammar backends against MaskBench schemas"),
+    "train-demo": ("tandem.cli.train_demo", "train the small demo models shipped in tandem/assets"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # Parse the command name first, then let its module add its own options.
+    known, _ = parser.parse_known_args(argv[:1] or ["--help"])
+    module = importlib.import_module(known.module)
+    sub = argparse.ArgumentParser(prog=f"tandem {known.command}", description=COMMANDS[known.command][1])
+    module.add_arguments(sub)
+    args = sub.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except (ValueError, FileNotFoundError) as error:  # bad input (tandem's own errors are ValueErrors): say
+        sub.exit(2, f"{sub.prog}: error: {error}\n")  # what and where, as argparse does, without a traceback

@@ -1,0 +1,283 @@
+"""`tandem bench`: speculative vs plain decoding on the demo models, in one run, as ratios.
+
+For each shipped demo model: tokens/s of the plain path and of every available draft (k = 2, 4),
+mean accepted length, with and without the task's JSON schema, relaxed acceptance on and off,
+batch 1 and 8; and `transformers`' own `generate` on the same weights (plain, and with prompt
+lookup, its n-gram speculation). tandem's runs also give their decode tokens/s: the tokens after
+each request's first one over the time after it (1 / TPOT at batch 1), which leaves out the
+prefill, a sizeable share of the short demo chats' time. Prompts are held-out demo-corpus chats.
+Greedy throughout, so every speculative run must reproduce the plain run's tokens (checked in
+every round, reported as `exact`). `--models`, `--drafts`, `--k`, `--batch`, `--prompts`,
+`--max-tokens` and `--repeats` narrow a run (tests/cli/test_bench.py takes one of each).
+
+The machine's speed drifts over seconds, so the cases are interleaved finely: each of
+`--repeats` rounds runs every case on the first prompt group, then every case on the second, and
+so on. A case's tokens/s is its fastest round (timeit's rule: slower rounds measure
+the machine's other load, not the code); a ratio is the median over rounds of the ratio within a
+round, where both sides saw the same stretch of machine, and `ratio_range` gives its spread. One
+JSON object on the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from tandem.decoding.params import RelaxedAcceptance, SamplingParams
+from tandem.models.loading import DTYPES
+
+Run = Callable[[list[int], int], dict]  # (prompt indices, max_tokens) -> {"seconds", "generated", ...}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", nargs="+", default=["demo-llama", "demo-deepseek"])
+    parser.add_argument(
+        "--drafts",
+        nargs="+",
+        choices=["eagle3", "eagle", "mtp", "ngram"],
+        default=None,
+        help="draft kinds to measure, among each model's available ones (default: all it has); "
+        "the plain path is always measured",
+    )
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per measurement")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's own); tandem's steps of a few tokens take "
+        "one either way (EngineConfig.small_step_threads)",
+    )
+    parser.add_argument("--device", default="auto", help="cpu, cuda, ... (auto: cuda when there is one)")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="weights' dtype (default: float32 on the CPU, the checkpoint's elsewhere)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every measurement")
+    parser.add_argument("--json", action="store_true", help="only the JSON line")
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.manual_seed(0)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    from tandem.llm import resolve_device
+
+    report = {
+        "benchmark": "tandem bench",
+        "device": resolve_device(args.device),
+        "threads": torch.get_num_threads(),
+        "max_tokens": args.max_tokens,
+        "prompts": args.prompts,
+        "repeats": args.repeats,
+        "models": {},
+    }
+    for model in args.models:
+        report["models"][model] = _bench_model(model, args)
+    print(json.dumps(report))
+    return 0
+
+
+def _log(args: argparse.Namespace, message: str) -> None:
+    if not args.json:
+        print(message, flush=True)
+
+
+def _bench_model(model: str, args: argparse.Namespace) -> dict:
+    from tandem.demo.corpus import TASK_FAMILIES, generate_examples
+    from tandem.llm import LLM, available_drafts, chat_prompt_ids, resolve_model
+    from tandem.models.loading import load_tokenizer
+
+    path = resolve_model(model)
+    examples = generate_examples(args.prompts, seed=1, split="heldout")
+    tokenizer = load_tokenizer(path)
+    prompts = [chat_prompt_ids(tokenizer, ex.messages, ex.tools) for ex in examples]  # the same ids for every run
+    groups = {
+        batch: [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
+        for batch in args.batch
+    }
+    cases: dict[tuple, tuple[Run, list[list[int]]]] = {}  # (draft, k, relaxed, schema, batch) -> (run, groups)
+    drafts = [d for d in available_drafts(path) if args.drafts is None or d in args.drafts]
+    for draft in [None, *drafts]:
+        for k in args.k if draft else [0]:
+            for relaxed in [None, RelaxedAcceptance()] if draft else [None]:
+                llm = LLM(
+                    model,
+                    draft,
+                    num_speculative_tokens=max(k, 1),
+                    relaxed=relaxed,
+                    max_num_seqs=max(args.batch),
+                    device=args.device,
+                    dtype=DTYPES.get(args.dtype),
+                )
+                for constrained in (False, True):
+                    schemas = [TASK_FAMILIES[ex.family].schema if constrained else None for ex in examples]
+                    for batch in args.batch:
+                        run = functools.partial(measure, llm, prompts, schemas)
+                        cases[draft or "none", k, relaxed is not None, constrained, batch] = run, groups[batch]
+    for mode, extra in _transformers_modes(args):
+        run = functools.partial(_measure_transformers, path, next(llm.target.parameters()), tokenizer, prompts, extra)
+        cases["transformers", mode] = run, [[i] for i in range(len(prompts))]
+    rounds = _interleaved_rounds(cases, args)
+
+    plain_tokens = {key[3:]: rounds[key][0]["tokens"] for key in rounds if key[0] == "none"}
+    results: list[dict] = []
+    for key, runs in rounds.items():
+        if key[0] == "transformers":
+            continue
+        draft, k, relaxed, constrained, batch = key
+        row = _fastest(runs)
+        row["exact"] = relaxed or all(run["tokens"] == plain_tokens[constrained, batch] for run in runs)
+        row.update(draft=draft, k=k, relaxed=relaxed, schema=constrained, batch=batch)
+        results.append(row)
+        _log(
+            args,
+            f"{model:14s} draft={draft:7s} k={k} relaxed={relaxed!s:5s} schema={constrained!s:5s} "
+            f"batch={batch}  {row['tokens_per_s']:8.1f} tok/s  accepted length {row['mean_accepted_length']:.2f}",
+        )
+    peers = [{"mode": key[1], **_fastest(runs)} for key, runs in rounds.items() if key[0] == "transformers"]
+    for row in peers:
+        _log(args, f"{model:14s} transformers {row['mode']:13s} batch=1  {row['tokens_per_s']:8.1f} tok/s")
+    ratios, ratio_range = _ratios(rounds, max(args.k), min(args.batch))
+    return {"runs": results, "transformers": peers, "ratios": ratios, "ratio_range": ratio_range}
+
+
+def _interleaved_rounds(
+    cases: dict[tuple, tuple[Run, list[list[int]]]], args: argparse.Namespace
+) -> dict[tuple, list[dict]]:
+    """Warm every case up, then `repeats` rounds; each case's totals per round.
+
+    Within a round the cases take turns prompt group by prompt group, so a stretch of machine load
+    slows every case alike instead of one case's whole run.
+    """
+    for run, groups in cases.values():
+        for group in groups:
+            run(group, 4)  # warm-up; compiles (and caches) the schemas
+    rounds: dict[tuple, list[dict]] = {key: [] for key in cases}
+    for _ in range(args.repeats):
+        totals: dict[tuple, dict] = {key: {} for key in cases}
+        for g in range(max(len(groups) for _, groups in cases.values())):
+            for key, (run, groups) in cases.items():
+                if g < len(groups):
+                    for name, value in run(groups[g], args.max_tokens).items():  # sums (token lists: joined)
+                        totals[key][name] = totals[key][name] + value if name in totals[key] else value
+        for key, total in totals.items():
+            rounds[key].append(total)
+    return rounds
+
+
+def _fastest(runs: list[dict]) -> dict:
+    """The fastest round's figures (tokens/s; for tandem's own runs also the decode tokens/s and
+    the mean accepted length)."""
+    run = min(runs, key=lambda r: r["seconds"])
+    row = {"tokens_per_s": round(_rate(run), 2), "generated": run["generated"], "seconds": round(run["seconds"], 3)}
+    if "steps" in run:
+        row["decode_tokens_per_s"] = round(_decode_rate(run), 2)
+        row["first_token_seconds"] = round(run["first_token_seconds"], 3)
+        row["mean_accepted_length"] = round((run["accepted"] + run["steps"]) / max(run["steps"], 1), 3)
+    return row
+
+
+def _rate(run: dict) -> float:
+    return run["generated"] / run["seconds"]
+
+
+def _decode_rate(run: dict) -> float:
+    """Tokens/s after each request's first token: the rate a streaming client sees (1 / TPOT at batch 1)."""
+    return (run["generated"] - run["requests"]) / (run["seconds"] - run["first_token_seconds"])
+
+
+def measure(llm, prompts: list[list[int]], schemas: list, group: list[int], max_tokens: int) -> dict:
+    """Generate the prompts `group` as one batch (one schema per prompt); time and count.
+
+    ``first_token_seconds`` is when every request had its first token (its prefill done), which
+    splits ``seconds`` into prefill and decode.
+    """
+    engine = llm.engine
+    start = time.perf_counter()
+    ids = [engine.add_request(prompts[i], SamplingParams(max_tokens=max_tokens, json_schema=schemas[i])) for i in group]
+    waiting_first_token, first_token_seconds = set(ids), None
+    while engine.has_unfinished():
+        deltas = engine.step()
+        if waiting_first_token:
+            waiting_first_token -= {d.request_id for d in deltas if d.token_ids or d.finish_reason}
+            if not waiting_first_token:
+                first_token_seconds = time.perf_counter() - start
+    outputs = [engine.pop_finished(i) for i in ids]
+    seconds = time.perf_counter() - start
+    return {
+        "seconds": seconds,
+        "first_token_seconds": first_token_seconds,
+        "requests": len(ids),
+        "generated": sum(len(o.token_ids) for o in outputs),
+        "steps": sum(o.stats.steps for o in outputs),
+        "accepted": sum(o.stats.accepted for o in outputs),
+        "tokens": [o.token_ids for o in outputs],
+    }
+
+
+def _transformers_modes(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """transformers' generate, batch 1, greedy: plain, and prompt lookup (its n-gram speculation)."""
+    return [("plain", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": max(args.k)})]
+
+
+@functools.cache
+def _transformers_model(path, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # its load report lists the MTP layer it does not use
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def _measure_transformers(
+    path, like: torch.Tensor, tokenizer, prompts: list[list[int]], extra: dict, group: list[int], max_tokens: int
+) -> dict:
+    """transformers' generate on the same weights, on the device and in the dtype of tensor `like`
+    (a tandem weight), one prompt of `group` at a time; time and count."""
+    model = _transformers_model(path, like.device, like.dtype)
+    generated, start = 0, time.perf_counter()
+    for i in group:
+        ids = torch.tensor([prompts[i]], device=like.device)
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.eos_token_id,
+                **extra,
+            )
+        generated += len(out[0].tolist()) - ids.shape[1]  # tolist: the device has finished
+    return {"seconds": time.perf_counter() - start, "generated": generated}
+
+
+def _ratios(rounds: dict[tuple, list[dict]], k: int, batch: int) -> tuple[dict, dict]:
+    """The headline ratios, greedy, for the largest k and the smallest batch measured (transformers
+    runs batch 1): each the median over rounds of the within-round ratio of tokens/s; and each
+    one's [min, max] over rounds."""
+
+    def ratio(numerator: tuple, denominator: tuple, rate: Callable[[dict], float] = _rate) -> list[float]:
+        return sorted(rate(a) / rate(b) for a, b in zip(rounds[numerator], rounds[denominator]))
+
+    plain = "none", 0, False, False, batch
+    per_round = {"tandem_plain_vs_transformers_plain": ratio(plain, ("transformers", "plain"))}
+    for draft in sorted({key[0] for key in rounds} - {"none", "transformers"}):
+        spec, spec_schema = (draft, k, False, False, batch), (draft, k, False, True, batch)
+        if spec in rounds:
+            per_round[f"{draft}_k{k}_vs_plain"] = ratio(spec, plain)
+            per_round[f"{draft}_k{k}_decode_vs_plain"] = ratio(spec, plain, _decode_rate)
+            if spec_schema in rounds:
+                per_round[f"{draft}_k{k}_schema_vs_unconstrained"] = ratio(spec_schema, spec)
+    ratios = {name: round(statistics.median(values), 3) for name, values in per_round.items()}
+    return ratios, {name: [round(values[0], 3), round(values[-1], 3)] for name, values in per_round.items()}

@@ -1,0 +1,301 @@
+"""The engine: requests, continuous batching and the unified speculative step.
+
+One `step()` runs, for every running row (docs/DESIGN.md, "The speculative step"):
+
+1. merge   per row, the tokens to verify: a new row feeds its whole prompt (no drafts); a
+           running row feeds [t_last, d_0 .. d_{k_b-1}] at positions L-1 .. L-1+k_b
+           (`batching.verify_batch`)
+2. verify  one ragged target forward; logits at each row's k_b+1 verify positions
+3. masks   per-position grammar bitmasks and thinking phases for the draft window: the ones the
+           draft's grammar walk built for these very drafts (step 6 of the previous step), else
+           built on a worker thread while the target runs (`masks.StepMasks`, `MaskPipeline`)
+4. accept  `decoding.accept`; rows with k_b < k pad their drafts with -1 (a plain step there);
+           penalties and logit biases first adjust the logits of the rows that ask for them
+           (`sampling`)
+5. commit  accepted drafts + the emitted token, cut by max_tokens / EOS / stop strings /
+           grammar termination (`stop`); KV caches truncated to the committed length; each row's
+           stream delta (`output.stream_delta`); finished rows leave their slots (`scheduler`)
+6. propose the draft reads the target's hidden states at the committed positions
+           (`batching.draft_batch`); rows with a grammar draft under it (a `MaskWalk` tells the
+           draft which tokens each position allows), rows with penalties or logit biases draft
+           with them applied
+
+Before the step, `Scheduler.admit` moves waiting requests whose grammar has compiled into free slots.
+
+Cache invariant: a row's target KV cache holds positions 0 .. len(tokens) - 2; its last
+committed token is always fed again as t_last by the next step.
+
+Threads: on the CPU a step of at most `SMALL_STEP_TOKENS` tokens (decode, verify, drafting) runs
+with `EngineConfig.small_step_threads` torch threads, one by default; longer steps (prefills) keep
+torch's own setting. A small model's short step is op overhead, which thread hand-offs only add to
+(a short verify of the DeepSeek demo runs faster on one thread than on two), while a prefill has
+enough work per op to spread well over several threads.
+
+Device reads: a step reads results back from the device twice, by design, each one read for
+every row: at commit (the acceptance result) and after propose (the drafts, which the next masks
+need). A grammar row's draft adds one read per drafted position (its matcher runs on the host),
+and `logprobs` one at commit. Batches carry their rows' spans as Python ints and caches keep their
+lengths on the host, so no forward reads the device back (`tests/models/test_host_planning.py`
+runs the providers on the meta device to hold that), and every host-to-device copy goes through
+pinned memory without waiting (`tandem.core.transfer`; `tests/engine/test_device_reads.py` counts the
+reads of a step on CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.transfer import to_device
+from tandem.decoding.acceptance import AcceptanceResult, accept
+from tandem.decoding.logprobs import token_logprobs
+from tandem.decoding.params import RelaxedAcceptance, SamplingParams
+from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID, sample
+from tandem.engine import sampling
+from tandem.engine.batching import draft_batch, padded_drafts, verify_batch
+from tandem.engine.mask_pipeline import MaskPipeline
+from tandem.engine.masks import StepMasks
+from tandem.engine.output import RequestOutput, StreamDelta, TextAssembler, stream_delta
+from tandem.engine.request import Request, grammar_spec, thinking_markers, thinking_tracker, validate
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.stop import draft_budget, eos_ids, finish_reason, kept_tokens
+from tandem.grammars.compiler import CompileJob, GrammarCompiler
+from tandem.grammars.masks import SpeculativeMasker
+from tandem.grammars.tokenizer import GrammarTokenizer
+from tandem.models.base import DraftInput, ForwardBatch
+
+SMALL_STEP_TOKENS = 16  # a step of at most this many tokens runs on `EngineConfig.small_step_threads`
+
+
+@dataclass
+class EngineConfig:
+    num_speculative_tokens: int = 4
+    max_num_seqs: int = 8  # rows decoded together; also the number of KV-cache slots
+    max_model_len: int = 1024  # tokens per row (prompt + generated), the size of one slot
+    relaxed: RelaxedAcceptance | None = None  # relaxed acceptance inside <think>…</think>
+    grammar_backend: str = "auto"  # xgrammar | llguidance | outlines | auto
+    grammar_timeout_s: float = 30.0  # a grammar still compiling after this fails its request
+    small_step_threads: int | None = 1  # CPU torch threads for steps of few tokens (None: torch's setting)
+
+
+class Engine:
+    """Continuous-batching speculative engine over one target and an optional draft.
+
+    `draft=None` is the plain path: the same step with k = 0.
+    """
+
+    def __init__(self, target, draft, tokenizer, config: EngineConfig) -> None:
+        self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
+        self.k = config.num_speculative_tokens if draft is not None else 0
+        self.grammar_tokenizer = GrammarTokenizer(tokenizer, target.vocab_size)
+        self.compiler = GrammarCompiler(timeout_s=config.grammar_timeout_s)
+        self._eos = eos_ids(tokenizer)
+        self._markers = thinking_markers(tokenizer)
+        self.masker = SpeculativeMasker(target.vocab_size, len(tokenizer), end_token_ids=sorted(self._eos))
+        self.device = next(iter(target.parameters())).device if hasattr(target, "parameters") else torch.device("cpu")
+        self.mask_pipeline = MaskPipeline(self.masker, config.max_num_seqs, self.k, self.device)
+        self.step_masks = StepMasks(
+            self.masker,
+            self.mask_pipeline,
+            k=self.k,
+            max_rows=config.max_num_seqs,
+            relaxed=config.relaxed is not None,
+            thinking_markers=self._markers is not None,
+            device=self.device,
+        )
+        self.target_cache = target.new_cache(config.max_num_seqs, config.max_model_len)
+        self.draft_cache = draft.new_cache(config.max_num_seqs, config.max_model_len) if draft is not None else None
+        self.scheduler = Scheduler(config.max_num_seqs, self.masker, self.target_cache, self._markers)
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request. Nothing is queued when it raises: PromptTooLongError if the prompt cannot fit,
+        ValueError for an empty prompt or a token id (prompt or logit bias) outside the vocabulary."""
+        validate(prompt, params, max_model_len=self.config.max_model_len, k=self.k, vocab_size=self.target.vocab_size)
+        request_id = request_id or f"req-{next(self._ids)}"
+        request = Request(
+            request_id=request_id,
+            prompt=list(prompt),
+            params=params,
+            seed=params.seed if params.seed is not None else random.getrandbits(62),
+            text=TextAssembler(
+                self.tokenizer,
+                eos_token_ids=self._eos | set(params.stop_token_ids or ()),
+                tracker=thinking_tracker(self._markers, prompt),
+                stop=params.stop_strings,
+            ),
+            grammar_job=self.compile_grammar(params),
+            tokens=list(prompt),
+        )
+        request.output = RequestOutput(
+            request_id=request_id, prompt_token_ids=list(prompt), logprobs=None if params.logprobs is None else []
+        )
+        self.scheduler.add(request)
+        return request_id
+
+    def compile_grammar(self, params: SamplingParams) -> CompileJob | None:
+        """Start compiling the request's grammar (cached); raises InvalidGrammarSpec at once for a bad spec."""
+        spec = grammar_spec(params)
+        return None if spec is None else self.compiler.submit(spec, self.grammar_tokenizer, self.config.grammar_backend)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request, waiting or running; its slot is free for the next step."""
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def pop_finished(self, request_id: str) -> RequestOutput | None:
+        """The output of a finished request, handed over once (None while it runs)."""
+        return self.scheduler.pop_finished(request_id)
+
+    # ---------------------------------------------------------------- the step
+    @torch.inference_mode()
+    def step(self) -> list[StreamDelta]:
+        """One unified step over all running rows; returns what each touched request gained."""
+        self.scheduler.admit()
+        rows = list(self.scheduler.running)
+        if not rows:
+            if self.scheduler.waiting:  # only grammars still compiling: yield the CPU to their workers
+                time.sleep(0.001)
+            return []
+        batch = verify_batch(rows, self.k, self.device)
+        with torch_threads(self._threads_for(batch)):
+            return self._run_step(rows, batch)
+
+    def _threads_for(self, batch: ForwardBatch) -> int | None:
+        """The torch threads a step over `batch` runs with (None: torch's setting)."""
+        if self.device.type == "cpu" and batch.num_tokens <= SMALL_STEP_TOKENS:
+            return self.config.small_step_threads
+        return None
+
+    def _run_step(self, rows: list[Request], batch: ForwardBatch) -> list[StreamDelta]:
+        """Steps 2-6 of the module docstring over `rows`, merged into `batch`."""
+        k = self.k
+        drafts = padded_drafts(rows, k)  # [B, k] on the host, for the mask worker
+        pending_masks = self.step_masks.submit(rows, drafts)
+        want_hidden = self.draft is not None and self.draft.hidden_kind is not None
+        out = self.target.forward(
+            batch,
+            self.target_cache,
+            return_hidden=want_hidden and self.draft.hidden_kind == "last",
+            return_aux=want_hidden and self.draft.hidden_kind == "aux",
+        )
+        logits = out.logits.view(len(rows), k + 1, -1)
+        drafts = to_device(drafts, logits.device)
+        scores = sampling.adjusted(rows, logits, drafts)
+        bitmask, in_thinking = self.step_masks.wait(pending_masks)
+        result = self._accept(rows, scores, drafts, bitmask, in_thinking)
+        deltas = self._commit(rows, result, logits)
+        if self.draft is not None:
+            self._propose([r for r in rows if r.output.finish_reason is None], rows, out, batch)
+        return deltas
+
+    def _accept(
+        self,
+        rows: list[Request],
+        scores: torch.Tensor,
+        drafts: torch.Tensor,
+        bitmask: torch.Tensor | None,
+        in_thinking: torch.Tensor | None,
+    ) -> AcceptanceResult:
+        """Step 4 over the adjusted logits `scores` [B, k+1, V] and the drafts [B, k] on the device."""
+        settings = sampling.sampling_tensors(rows, scores.device)
+        if self.k == 0:  # the plain path: `sample` is `accept` without drafts, minus the verification work
+            return AcceptanceResult.without_drafts(
+                sample(scores[:, 0], settings, None if bitmask is None else bitmask[:, 0])
+            )
+        return accept(
+            scores,
+            drafts,
+            draft_probs=sampling.draft_probs(rows, self.k, scores.shape[-1], self.device),
+            sampling=settings,
+            bitmask=bitmask,
+            in_thinking=in_thinking,
+            relaxed=self.config.relaxed,
+        )
+
+    def _commit(self, rows: list[Request], result: AcceptanceResult, logits: torch.Tensor) -> list[StreamDelta]:
+        """Step 5: append each row's emitted tokens (logits [B, k+1, V]: the positions that emitted them)."""
+        deltas = []
+        for b, (r, (emitted_all, num_accepted, dead_end)) in enumerate(zip(rows, result.to_host())):
+            emitted = kept_tokens(r, emitted_all)
+            self.masker.commit(r.request_id, emitted)
+            r.tokens.extend(emitted)
+            stats = r.output.stats
+            stats.steps += 1
+            stats.drafted += len(r.drafts)
+            stats.accepted += min(num_accepted, len(emitted))
+            r.drafts, r.draft_probs, r.walked_masks = [], None, None
+            self.target_cache.truncate([r.slot], [len(r.tokens) - 1])
+            reason = finish_reason(
+                r,
+                grammar_terminated=self.masker.is_terminated(r.request_id),
+                dead_end=dead_end and len(emitted) == len(emitted_all),
+                k=self.k,
+                max_model_len=self.config.max_model_len,
+            )
+            logprobs = (
+                None
+                if r.params.logprobs is None
+                else token_logprobs(logits[b, : len(emitted)], emitted, r.params.logprobs)
+            )
+            deltas.append(stream_delta(r.output, r.text, emitted, logprobs, reason))
+            if reason is not None:
+                self.scheduler.finish(r, reason)
+        return deltas
+
+    def _propose(self, live: list[Request], rows: list[Request], out, batch: ForwardBatch) -> None:
+        """Step 6: give each live row's newly committed tokens and their hidden states to the draft."""
+        if not live:
+            return
+        hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
+        draft_ids, hidden, histories = draft_batch(live, rows, batch, hidden_all, self.device)
+        if self.draft_cache is not None:
+            self.draft_cache.truncate(draft_ids.spans.slots, draft_ids.spans.starts)
+        follows = self.draft.follows_constraint
+        adjustments = sampling.adjustments(live, self.target.vocab_size, self.device) if follows else None
+        walk = self.step_masks.walk(live) if follows else None
+        try:
+            proposal = self.draft.propose(
+                DraftInput(
+                    draft_ids,
+                    hidden,
+                    histories,
+                    constraint=walk,
+                    adjust=None if adjustments is None else adjustments.apply_after,
+                ),
+                self.draft_cache,
+                self.k,
+            )
+        finally:
+            if walk is not None:
+                walk.finish()
+        proposed = proposal.tokens.tolist()  # one read of the device for every row
+        for b, r in enumerate(live):
+            drafts = proposed[b][: draft_budget(r, self.k, self.config.max_model_len)]
+            if PLACEHOLDER_TOKEN_ID in drafts:  # a draft with fewer proposals (n-gram miss)
+                drafts = drafts[: drafts.index(PLACEHOLDER_TOKEN_ID)]
+            r.drafts = drafts
+            r.draft_probs = None if proposal.probs is None else proposal.probs[b, : len(drafts)]
+            r.walked_masks = self.step_masks.walked(walk, b, len(drafts))
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int | None):
+    """Run the block with `num_threads` torch intra-op threads, then restore the setting (None: unchanged)."""
+    previous = torch.get_num_threads()
+    if num_threads is None or num_threads == previous:
+        yield
+        return
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

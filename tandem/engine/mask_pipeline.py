@@ -1,0 +1,155 @@
+"""MaskPipeline: compute the next step's grammar masks while the target forward runs.
+
+    handle = pipeline.submit(row_ids, drafts)   # returns at once; a worker thread fills masks
+    logits = target(...)                        # meanwhile, on the device
+    bitmask, in_thinking, allows_nothing = handle.wait()
+
+The worker fills one of two pinned host buffers (they alternate by step), then on CUDA enqueues a
+`non_blocking` copy into a device scratch buffer on a side stream and records an event; `wait()`
+joins the worker and makes the *current stream* wait on that event: no device-wide sync. Before the
+worker rewrites a host buffer it waits for the copy that last read it (that one event only), and
+the side stream waits until the consumer stream is past the step that last used the device buffer.
+On CPU the same path runs with the thread and no copy: consumers read the host buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+
+from tandem.core.transfer import to_device
+from tandem.grammars.masks import SpeculativeMasker
+
+
+class CopyTicket(Protocol):
+    def synchronize(self) -> None:
+        """Block the calling host thread until the copy has read its host buffer."""
+
+    def make_consumer_wait(self) -> None:
+        """Order the consumer (current stream) after the copy, without blocking the host."""
+
+
+class Copier(Protocol):
+    def copy(
+        self, slot: int, bitmask: torch.Tensor, in_thinking: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, CopyTicket | None]:
+        """Start moving a filled host buffer pair to where the sampler reads it; returns those views."""
+
+
+class CudaCopier:
+    """Pinned host -> device scratch copies on a side stream, ordered by events."""
+
+    def __init__(self, device: torch.device, shape: tuple[int, int, int]):
+        self.stream = torch.cuda.Stream(device)
+        self._bitmask = [torch.empty(shape, dtype=torch.int32, device=device) for _ in range(2)]
+        self._thinking = [torch.empty(shape[:2], dtype=torch.bool, device=device) for _ in range(2)]
+        self._consumed: list[torch.cuda.Event | None] = [None, None]
+
+    def copy(self, slot, bitmask, in_thinking):
+        batch = bitmask.shape[0]
+        with torch.cuda.stream(self.stream):
+            if self._consumed[slot] is not None:  # the consumer is done with this device buffer
+                self.stream.wait_event(self._consumed[slot])
+            device_bitmask = self._bitmask[slot][:batch]
+            device_thinking = self._thinking[slot][:batch]
+            device_bitmask.copy_(bitmask, non_blocking=True)
+            device_thinking.copy_(in_thinking, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return device_bitmask, device_thinking, _CudaTicket(self, slot, done)
+
+    def mark_consumed(self, slot: int, event: torch.cuda.Event) -> None:
+        """The consumer is done with `slot`'s device buffers once `event` has passed: the next copy
+        into them waits for it."""
+        self._consumed[slot] = event
+
+
+class _CudaTicket:
+    def __init__(self, copier: CudaCopier, slot: int, event: torch.cuda.Event):
+        self._copier, self._slot, self._event = copier, slot, event
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+
+    def make_consumer_wait(self) -> None:
+        stream = torch.cuda.current_stream()
+        stream.wait_event(self._event)
+        # Everything the consumer enqueued for the previous step (the other slot) precedes this
+        # point, so this event marks that slot's device buffer free for reuse.
+        consumed = torch.cuda.Event()
+        consumed.record(stream)
+        self._copier.mark_consumed(1 - self._slot, consumed)
+
+
+class MaskHandle:
+    """A step's masks in the making; `wait()` returns them."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    @classmethod
+    def ready(cls, bitmask: torch.Tensor, in_thinking: torch.Tensor, device: torch.device) -> MaskHandle:
+        """A handle to masks built already (bitmask [B, k+1, W] int32, in_thinking [B, k+1] bool, CPU)."""
+        future = Future()
+        future.set_result((to_device(bitmask, device), to_device(in_thinking, device), (bitmask == 0).all(-1), None))
+        return cls(future)
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(bitmask [B, k+1, W] int32, in_thinking [B, k+1] bool, allows_nothing [B, k+1] bool CPU).
+
+        bitmask and in_thinking are on the pipeline's device (on CPU: views of a host buffer, valid
+        until the step after next is submitted); re-raises the worker's exception.
+        """
+        bitmask, in_thinking, allows_nothing, ticket = self._future.result()
+        if ticket is not None:
+            ticket.make_consumer_wait()
+        return bitmask, in_thinking, allows_nothing
+
+
+class MaskPipeline:
+    """Double-buffered mask computation on one worker thread, for batches up to `max_batch` rows."""
+
+    def __init__(
+        self,
+        masker: SpeculativeMasker,
+        max_batch: int,
+        k: int,
+        device: torch.device | str = "cpu",
+        copier: Copier | None = None,
+    ):
+        self.masker = masker
+        self.device = torch.device(device)
+        shape = (max_batch, k + 1, masker.width)
+        pin = self.device.type == "cuda"
+        self._bitmask = [torch.zeros(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._thinking = [torch.zeros(shape[:2], dtype=torch.bool, pin_memory=pin) for _ in range(2)]
+        self._copier = copier if copier is not None else (CudaCopier(self.device, shape) if pin else None)
+        self._in_flight: list[CopyTicket | None] = [None, None]  # last copy out of each host buffer
+        self._slot = 0
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+
+    def submit(self, row_ids: Sequence[Hashable], drafts: torch.Tensor) -> MaskHandle:
+        """Start filling masks for `row_ids` with drafts [B, k] int64 CPU; returns at once.
+
+        The masker must not be committed to until this step's `wait()` returned.
+        """
+        slot, self._slot = self._slot, 1 - self._slot
+        return MaskHandle(self._worker.submit(self._fill, slot, list(row_ids), drafts))
+
+    def _fill(self, slot: int, row_ids: list, drafts: torch.Tensor):
+        if self._in_flight[slot] is not None:  # never overwrite a buffer a copy still reads
+            self._in_flight[slot].synchronize()
+        batch = len(row_ids)
+        bitmask, in_thinking = self._bitmask[slot][:batch], self._thinking[slot][:batch]
+        allows_nothing = self.masker.fill(row_ids, drafts, bitmask, in_thinking)
+        if self._copier is None:
+            return bitmask, in_thinking, allows_nothing, None
+        bitmask, in_thinking, ticket = self._copier.copy(slot, bitmask, in_thinking)
+        self._in_flight[slot] = ticket
+        return bitmask, in_thinking, allows_nothing, ticket
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)

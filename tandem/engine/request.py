@@ -1,0 +1,90 @@
+"""One request inside the engine: the checks it passes before it is queued, and its state from
+`Engine.add_request` to its last commit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.decoding.params import SamplingParams
+from tandem.engine.output import RequestOutput, TextAssembler
+from tandem.grammars.compiler import CompileJob
+from tandem.grammars.spec import GrammarSpec
+from tandem.thinking import ThinkingMarkers, ThinkingTracker
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that leaves no room to generate within the engine's context length."""
+
+
+@dataclass
+class Request:
+    """Engine-side state of one request."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    text: TextAssembler
+    grammar_job: CompileJob | None = None  # the request's grammar, compiling off the step loop
+    tokens: list[int] = field(default_factory=list)  # prompt + committed output
+    drafts: list[int] = field(default_factory=list)  # pending drafts for the next verify
+    draft_probs: torch.Tensor | None = None  # [len(drafts), V] or None (deterministic)
+    # The drafts' verify masks from the draft's grammar walk: (bitmask [k+1, W], in_thinking [k+1])
+    walked_masks: tuple[torch.Tensor, torch.Tensor] | None = None
+    slot: int = -1  # its KV-cache slot while it runs; -1 while it waits or once it finished
+    output: RequestOutput | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def is_new(self) -> bool:
+        return self.num_generated == 0
+
+
+def validate(prompt: list[int], params: SamplingParams, *, max_model_len: int, k: int, vocab_size: int) -> None:
+    """Raise PromptTooLongError if the prompt leaves no room for one step (its k + 1 tokens are reserved
+    for speculation), ValueError for an empty prompt or a token id (prompt or logit bias) outside the
+    vocabulary."""
+    if not prompt:
+        raise ValueError("prompt is empty: give at least one token")
+    room = max_model_len - len(prompt) - k - 1
+    if room < 1:
+        raise PromptTooLongError(
+            f"prompt has {len(prompt)} tokens; the context is {max_model_len} tokens "
+            f"({k + 1} reserved for speculation), so nothing can be generated"
+        )
+    for what, ids in (("prompt", prompt), ("SamplingParams.logit_bias", params.logit_bias or {})):
+        outside = next((i for i in ids if not 0 <= i < vocab_size), None)
+        if outside is not None:
+            raise ValueError(f"{what}: token id {outside} is outside the vocabulary [0, {vocab_size})")
+
+
+def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
+    """The request's constraint as a GrammarSpec; `grammar` is GBNF/EBNF if it has `::=`, else Lark."""
+    if params.json_schema is not None:
+        return GrammarSpec.json_schema(params.json_schema)
+    if params.regex is not None:
+        return GrammarSpec.regex(params.regex)
+    if params.choice is not None:
+        return GrammarSpec.choice(params.choice)
+    if params.grammar is not None:
+        return GrammarSpec.ebnf(params.grammar) if "::=" in params.grammar else GrammarSpec.lark(params.grammar)
+    return None
+
+
+def thinking_markers(tokenizer) -> ThinkingMarkers | None:
+    """The tokenizer's `<think>` / `</think>` ids, or None if it has no such single tokens."""
+    try:
+        return ThinkingMarkers.from_tokenizer(tokenizer)
+    except ValueError:
+        return None
+
+
+def thinking_tracker(markers: ThinkingMarkers | None, prompt: list[int]) -> ThinkingTracker | None:
+    """A fresh tracker of the thinking phase after `prompt` (None without markers); each consumer
+    (the text assembler, the grammar row) advances its own."""
+    return None if markers is None else ThinkingTracker(markers, prompt)

@@ -1,0 +1,50 @@
+"""The chained proposal that EAGLE, EAGLE-3 and MTP share: one step over the committed tokens,
+then ``k - 1`` single-token steps, each reading the previous step's output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from tandem.models.base import DraftInput, ForwardBatch, KVCache, Target
+from tandem.models.config import LlamaConfig
+
+StepFn = Callable[[ForwardBatch, Tensor, KVCache], Tensor]  # (batch, hidden [T, *], cache) -> hidden [T, H]
+HeadFn = Callable[[Tensor], Tensor]  # hidden [B, H] -> logits [B, V] over the target vocabulary
+
+
+def check_pair(config: LlamaConfig, target: Target, what: str) -> None:
+    """Raise ``ValueError`` when a draft config's hidden size does not fit ``target``."""
+    if config.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"{what} draft hidden_size {config.hidden_size} does not match the target's {target.hidden_size}"
+        )
+
+
+def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor, cache: KVCache, k: int) -> Tensor:
+    """Run ``step`` over the committed tokens, then chain ``k - 1`` single-token steps.
+
+    ``hidden [T, *]`` is what ``step`` reads for the committed tokens; chained steps read the
+    previous step's output at each row's last token, at the next position. Each token is the
+    argmax of ``head``'s logits after ``inp.adjust`` (penalties), among the tokens
+    ``inp.constraint`` allows (lowest id among ties). Returns ``[B, k]`` int64.
+    """
+    batch = inp.batch
+    h = step(batch, hidden, cache)[batch.last_token_indices()]
+    tokens = batch.input_ids.new_empty(batch.num_rows, k)
+    constraint = inp.constraint
+    for i in range(k):
+        logits = head(h)
+        if inp.adjust is not None:
+            logits = inp.adjust(logits, tokens[:, :i])
+        if constraint is not None:
+            logits = torch.where(constraint.allowed(), logits, float("-inf"))
+        tokens[:, i] = logits.argmax(dim=-1)
+        if constraint is not None:
+            constraint.advance(tokens[:, i])
+        if i + 1 < k:
+            batch = batch.following(tokens[:, i])
+            h = step(batch, h, cache)
+    return tokens

@@ -1,0 +1,23 @@
+"""The SwiGLU MLP of Llama's layers, DeepSeek's dense layers and shared experts, and the EAGLE-3 draft."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from tandem.models.layers import Layer
+from tandem.models.linear import Linear, MergedLinear
+
+
+class GatedMLP(Layer):
+    """SwiGLU ``down(silu(gate(x)) * up(x))`` with ``gate_proj``/``up_proj`` merged: ``x: [T, H] -> [T, H]``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, **factory):
+        super().__init__()
+        parts = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
+        self.gate_up_proj = MergedLinear(hidden_size, parts, bias=bias, **factory)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, **factory)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

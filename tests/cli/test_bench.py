@@ -1,0 +1,49 @@
+"""`tandem bench` cut down to one model, one draft, one k, one batch, one round and a few tokens."""
+
+from __future__ import annotations
+
+from tests.cli.conftest import last_json_line
+
+MODEL, DRAFT, K, BATCH, PROMPTS, MAX_TOKENS = "demo-llama", "eagle3", 2, 2, 2, 4
+
+
+def test_bench_smallest_run_reports_runs_and_ratios(tandem):
+    argv = ["--models", MODEL, "--drafts", DRAFT, "--k", K, "--batch", BATCH, "--prompts", PROMPTS]
+    # one thread: on a loaded 2-core machine two contend and the run takes several times as long
+    out, _ = tandem("bench", *argv, "--max-tokens", MAX_TOKENS, "--repeats", 1, "--device", "cpu", "--threads", 1)
+    report = last_json_line(out)
+    assert report["benchmark"] == "tandem bench" and report["device"] == "cpu" and report["threads"] == 1
+    assert (report["max_tokens"], report["prompts"], report["repeats"]) == (MAX_TOKENS, PROMPTS, 1)
+    assert list(report["models"]) == [MODEL]
+    result = report["models"][MODEL]
+
+    runs = result["runs"]
+    # plain: schema off/on; the draft at k: relaxed off/on x schema off/on
+    cases = {(r["draft"], r["k"], r["relaxed"], r["schema"], r["batch"]) for r in runs}
+    expected = {("none", 0, False, s, BATCH) for s in (False, True)}
+    expected |= {(DRAFT, K, relaxed, s, BATCH) for relaxed in (False, True) for s in (False, True)}
+    assert len(runs) == len(cases) and cases == expected
+    for run in runs:
+        assert 0 < run["generated"] <= PROMPTS * MAX_TOKENS
+        assert run["tokens_per_s"] > 0 and run["decode_tokens_per_s"] > 0
+        assert 0 < run["first_token_seconds"] <= run["seconds"]
+        assert 1 <= run["mean_accepted_length"] <= (K + 1 if run["draft"] != "none" else 1)
+        if not run["relaxed"]:
+            assert run["exact"] is True, run  # greedy speculation reproduces the plain tokens
+    assert [peer["mode"] for peer in result["transformers"]] == ["plain", "prompt_lookup"]
+    assert all(peer["generated"] > 0 and peer["tokens_per_s"] > 0 for peer in result["transformers"])
+
+    names = {
+        "tandem_plain_vs_transformers_plain",
+        f"{DRAFT}_k{K}_vs_plain",
+        f"{DRAFT}_k{K}_decode_vs_plain",
+        f"{DRAFT}_k{K}_schema_vs_unconstrained",
+    }
+    assert set(result["ratios"]) == set(result["ratio_range"]) == names
+    for name, ratio in result["ratios"].items():
+        low, high = result["ratio_range"][name]
+        assert 0 < low <= ratio <= high and low == high, name  # one round: the range is that round's ratio
+
+    # without --json each run and each transformers mode also gets a line, before the JSON
+    lines = out.strip().splitlines()[:-1]
+    assert len(lines) == len(runs) + len(result["transformers"]) and all(MODEL in line for line in lines)

@@ -1,0 +1,74 @@
+"""`tandem serve` as its own process: it starts, answers one chat completion, and stops on SIGTERM."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tandem.assets import ASSETS_DIR
+
+MODEL = "demo-llama"
+STARTUP_TIMEOUT_S = 120  # imports and model load on a busy 2-core machine
+MAX_TOKENS = 24
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def served(tmp_path):
+    """The base URL of `tandem serve --model demo-llama` on a free loopback port."""
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "tandem.cli", "serve", "--model", MODEL, "--port", str(port), "--max-num-seqs=1"]
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=ASSETS_DIR.parents[1])
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            assert process.poll() is None, f"tandem serve exited {process.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"tandem serve not up in {STARTUP_TIMEOUT_S} s:\n{log.read_text()}"
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield base_url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+            pytest.fail(f"tandem serve ignored SIGTERM:\n{log.read_text()}")
+
+
+def test_serve_answers_a_chat_completion(served):
+    with httpx.Client(base_url=served, timeout=60) as http:
+        models = http.get("/v1/models").json()
+        assert [card["id"] for card in models["data"]] == [MODEL]
+        messages = [{"role": "user", "content": "Classify the sentiment of this review: the lamp broke."}]
+        reply = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("stop", "length")
+    assert choice["message"].get("reasoning_content") or choice["message"]["content"]
+    usage = body["usage"]
+    assert 0 < usage["completion_tokens"] <= MAX_TOKENS
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    speculative = body["speculative_decoding"]
+    assert speculative["draft"] == "eagle3"  # --draft auto: the model's best shipped draft
+    assert 0 <= speculative["accepted"] <= speculative["drafted"]
