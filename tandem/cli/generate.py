@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from tandem.assets import DEFAULT_MODEL
+from tandem.cli.options import add_model_arguments
 from tandem.decoding.params import SamplingParams
 
 
@@ -15,13 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "prompt", nargs="?", default="Classify the sentiment of this review: I was delighted with the toaster."
     )
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="demo-deepseek, demo-llama or a local HF directory")
-    parser.add_argument(
-        "--draft",
-        default="auto",
-        help="auto (the model's best shipped draft), none, eagle, eagle3, mtp, ngram or a directory",
-    )
-    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    add_model_arguments(parser)
     parser.add_argument("--schema", type=Path, help="a JSON schema file the answer must follow")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
