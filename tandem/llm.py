@@ -22,7 +22,7 @@ class LLM:
     model: "demo-deepseek" (the default) or "demo-llama" (shipped in tandem/assets), or a local
         Hugging Face directory. draft: None (plain decoding), "eagle", "eagle3" (the draft shipped
         next to the model, `<model>-<kind>`), "mtp" (the target checkpoint's own MTP layers),
-        "ngram", or a local draft checkpoint directory.
+        "ngram", "suffix", or a local draft checkpoint directory.
     dtype: None = the checkpoint's dtype on a GPU, float32 on the CPU (faster there than bf16).
         A float32 model on the CPU keeps the matmul weights that bfloat16 holds exactly (all of a
         bfloat16 checkpoint's) in bfloat16 and widens them per call: the same results from half
@@ -155,7 +155,7 @@ def resolve_model(model: str | Path) -> Path:
 
 def available_drafts(model_path: Path) -> list[str]:
     """Draft kinds usable with a model, strongest first: shipped EAGLE-3 / EAGLE drafts beside it,
-    its own MTP layer (if the checkpoint has one), and the model-free n-gram draft."""
+    its own MTP layer (if the checkpoint has one), and the model-free n-gram and suffix drafts."""
     from tandem.models.loading import WeightReader, read_config
 
     kinds = [
@@ -166,7 +166,7 @@ def available_drafts(model_path: Path) -> list[str]:
     layers = read_config(model_path).get("num_hidden_layers")
     if f"model.layers.{layers}.eh_proj.weight" in WeightReader(model_path):
         kinds.append("mtp")
-    return [*kinds, "ngram"]
+    return [*kinds, "ngram", "suffix"]
 
 
 def best_draft(model_path: Path) -> str:
@@ -175,8 +175,8 @@ def best_draft(model_path: Path) -> str:
 
 
 def resolve_draft(draft: str, model_path: Path) -> str | Path:
-    """ "ngram" and "mtp" pass through; "eagle"/"eagle3" mean the draft shipped beside the model."""
-    if draft in ("ngram", "mtp"):
+    """ "ngram", "suffix" and "mtp" pass through; "eagle"/"eagle3" mean the draft shipped beside the model."""
+    if draft in ("ngram", "suffix", "mtp"):
         return draft
     if draft in ("eagle", "eagle3"):
         sibling = model_path.parent / f"{model_path.name}-{draft}"
@@ -186,6 +186,6 @@ def resolve_draft(draft: str, model_path: Path) -> str | Path:
     path = Path(draft)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"draft {draft!r}: not a kind (eagle, eagle3, mtp, ngram) nor a directory with config.json"
+            f"draft {draft!r}: not a kind (eagle, eagle3, mtp, ngram, suffix) nor a directory with config.json"
         )
     return path

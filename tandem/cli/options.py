@@ -13,6 +13,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft",
         default="auto",
-        help="auto (the model's best shipped draft), none, eagle, eagle3, mtp, ngram or a directory",
+        help="auto (the model's best shipped draft), none, eagle, eagle3, mtp, ngram, suffix or a directory",
     )
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)

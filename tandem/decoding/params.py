@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from tandem.core.transfer import to_device
 
+MAX_JSON_WHITESPACE = 64  # SamplingParams.json_whitespace as an int at most (grammars.spec has the same bound)
 MAX_LOGPROBS = 20  # SamplingParams.logprobs at most: alternatives per token, as OpenAI's top_logprobs allows
 
 _FIELDS = {  # name -> dtype every SamplingTensors field must have
@@ -171,6 +173,13 @@ class SamplingParams:
     stop_token_ids: token ids that end the request like EOS (kept in token_ids, not in the text).
     At most one of json_schema (dict, JSON string or pydantic model class), regex, grammar
     (Lark/EBNF) and choice (list of strings) constrains the answer.
+    json_whitespace: the whitespace a json_schema answer may have between JSON tokens.
+    "default": exactly what `json.dumps` writes by default, ", " between items and ": " after
+    keys, nothing elsewhere (the demo models' answers are written so); "compact": none (the
+    separators "," and ":"); an int n in 0..64: at most n whitespace characters (space, tab,
+    newline, carriage return) in each gap between tokens. Never unbounded: a grammar that lets
+    whitespace run on lets a model write spaces until max_tokens (issue 30). A grammar backend
+    that cannot express the mode exactly is not chosen (or, named explicitly, refuses).
     logprobs: None, or N in 0..20: return each generated token's log-probability under the
     target model (tandem.decoding.logprobs) and those of the N most likely tokens at its position.
     presence_penalty, frequency_penalty (in [-2, 2], 0 = off; OpenAI's) subtract from a token's logit
@@ -192,6 +201,7 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    json_whitespace: Literal["default", "compact"] | int = "default"
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -228,6 +238,16 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _require(all(isinstance(s, str) and s for s in self.stop or []), "stop", self.stop, "non-empty strings")
+        _require(
+            isinstance(self.json_whitespace, str)
+            and self.json_whitespace in ("default", "compact")
+            or isinstance(self.json_whitespace, int)
+            and not isinstance(self.json_whitespace, bool)
+            and 0 <= self.json_whitespace <= MAX_JSON_WHITESPACE,
+            "json_whitespace",
+            self.json_whitespace,
+            f"'default' (json.dumps separators), 'compact' (no whitespace) or an int in 0..{MAX_JSON_WHITESPACE}",
+        )
         constraints = [
             name for name in ("json_schema", "regex", "grammar", "choice") if getattr(self, name) is not None
         ]

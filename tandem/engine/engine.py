@@ -22,6 +22,16 @@ One `step()` runs, for every running row (docs/DESIGN.md, "The speculative step"
 
 Before the step, `Scheduler.admit` moves waiting requests whose grammar has compiled into free slots.
 
+Adaptive speculation (`EngineConfig.adaptive`, on by default): before each propose, `adaptive.AdaptivePolicy`
+chooses every row's drafts for the next verify (0..k) from its acceptance so far and the verify cost
+measured at engine start (`Engine._calibrate`); the draft still proposes k and the engine keeps the
+chosen prefix. The step verifies as many positions per row as the longest row keeps, and a step where
+no row keeps any is the plain step (`sample`); a draft without state is then not run at all.
+
+Padded vocabularies: when the model's vocabulary is larger than the tokenizer's, the ids past the
+tokenizer are set to -inf in the verify logits and in a grammar-following draft's logits (one fill of
+the padded columns, nothing when there are none), for every row, grammar or not.
+
 Cache invariant: a row's target KV cache holds positions 0 .. len(tokens) - 2; its last
 committed token is always fed again as t_last by the next step.
 
@@ -51,12 +61,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core.transfer import to_device
+from tandem.core.transfer import int64_tensor, to_device
 from tandem.decoding.acceptance import AcceptanceResult, accept
 from tandem.decoding.logprobs import token_logprobs
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID, sample
 from tandem.engine import sampling
+from tandem.engine.adaptive import AdaptivePolicy, CostModel
 from tandem.engine.batching import draft_batch, padded_drafts, verify_batch
 from tandem.engine.mask_pipeline import MaskPipeline
 from tandem.engine.masks import StepMasks
@@ -67,7 +78,7 @@ from tandem.engine.stop import draft_budget, eos_ids, finish_reason, kept_tokens
 from tandem.grammars.compiler import CompileJob, GrammarCompiler
 from tandem.grammars.masks import SpeculativeMasker
 from tandem.grammars.tokenizer import GrammarTokenizer
-from tandem.models.base import DraftInput, ForwardBatch
+from tandem.models.base import DraftInput, ForwardBatch, RowSpans
 
 SMALL_STEP_TOKENS = 16  # a step of at most this many tokens runs on `EngineConfig.small_step_threads`
 
@@ -81,6 +92,7 @@ class EngineConfig:
     grammar_backend: str = "auto"  # xgrammar | llguidance | outlines | auto
     grammar_timeout_s: float = 30.0  # a grammar still compiling after this fails its request
     small_step_threads: int | None = 1  # CPU torch threads for steps of few tokens (None: torch's setting)
+    adaptive: bool = True  # drafts per row chosen each step (engine/adaptive.py); False: always k
 
 
 class Engine:
@@ -112,6 +124,18 @@ class Engine:
         self.draft_cache = draft.new_cache(config.max_num_seqs, config.max_model_len) if draft is not None else None
         self.scheduler = Scheduler(config.max_num_seqs, self.masker, self.target_cache, self._markers)
         self._ids = itertools.count()
+        # A model whose embedding rows are padded past the tokenizer: ids >= vocab_limit are never emitted
+        # nor drafted (`_mask_padding`), whatever else is in the batch.
+        self.vocab_limit = min(len(tokenizer), target.vocab_size)
+        # A stateless draft (no cache, no hidden states) can be skipped on a step where no row drafts.
+        self._draft_skippable = draft is not None and draft.hidden_kind is None and self.draft_cache is None
+        self.policy: AdaptivePolicy | None = None
+        self.calibration_s = 0.0  # seconds the cost model's measurement took at start
+        if draft is not None and config.adaptive and self.k > 0:
+            start = time.perf_counter()
+            cost = self._calibrate()
+            self.calibration_s = time.perf_counter() - start
+            self.policy = AdaptivePolicy(self.k, cost, draft_always=not self._draft_skippable)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -147,6 +171,8 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Drop a request, waiting or running; its slot is free for the next step."""
         self.scheduler.abort(request_id)
+        if self.policy is not None:
+            self.policy.forget(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -165,9 +191,75 @@ class Engine:
             if self.scheduler.waiting:  # only grammars still compiling: yield the CPU to their workers
                 time.sleep(0.001)
             return []
-        batch = verify_batch(rows, self.k, self.device)
+        k = self._step_k(rows)
+        batch = verify_batch(rows, k, self.device)
+        self._step_started = time.perf_counter()
         with torch_threads(self._threads_for(batch)):
-            return self._run_step(rows, batch)
+            return self._run_step(rows, batch, k)
+
+    def _adaptive(self) -> bool:
+        return self.policy is not None and self.config.adaptive
+
+    def _step_k(self, rows: list[Request]) -> int:
+        """The step's draft positions per row: k, or with adaptive speculation the most any row keeps
+        (0: the plain step)."""
+        return max(len(r.drafts) for r in rows) if self._adaptive() else self.k
+
+    def _mask_padding(self, logits: torch.Tensor, *_) -> torch.Tensor:
+        """`logits [..., V]` with the ids past the tokenizer at -inf, in place (nothing when V fits it)."""
+        if self.vocab_limit < logits.shape[-1]:
+            logits[..., self.vocab_limit :] = float("-inf")
+        return logits
+
+    def _calibrate(self) -> CostModel:
+        """The time of a verify step (target forward + acceptance) over T tokens, measured on dummy rows
+        in the free KV slots: decode-shaped (1 token per row) and verify-shaped (k + 1 per row), for one
+        row and for as many rows as a small step holds (at most `max_num_seqs`; `CostModel` extrapolates
+        past them), each the fastest of two runs after a warm-up. Runs once, before any request holds
+        a slot."""
+        prefix, k = 8, self.k
+        rows = max(1, min(self.config.max_num_seqs, SMALL_STEP_TOKENS // (k + 1)))
+        if prefix + k + 1 > self.config.max_model_len:
+            prefix = 1
+        token = self.tokenizer.eos_token_id or 0
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+
+        def forward(num_rows: int, per_row: int, start: int) -> torch.Tensor:
+            spans = RowSpans([start] * num_rows, [per_row] * num_rows, list(range(num_rows)))
+            n = num_rows * per_row
+            batch = ForwardBatch.build(
+                int64_tensor([token] * n, self.device), spans, logits_indices=int64_tensor(list(range(n)), self.device)
+            )
+            with torch_threads(self._threads_for(batch)):
+                logits = self.target.forward(batch, self.target_cache).logits.view(num_rows, per_row, -1)
+                if per_row == 1:
+                    sample(logits[:, 0])
+                else:
+                    drafts = torch.full((num_rows, per_row - 1), token, dtype=torch.int64, device=self.device)
+                    accept(logits, drafts)
+            return logits
+
+        with torch.inference_mode():
+            forward(rows, prefix, 0)
+            points: dict[int, float] = {}
+            for num_rows in sorted({1, rows}):
+                for per_row in (1, k + 1):
+                    times = []
+                    for _ in range(3):
+                        sync()
+                        start = time.perf_counter()
+                        forward(num_rows, per_row, prefix)
+                        sync()
+                        times.append(time.perf_counter() - start)
+                        self.target_cache.truncate(list(range(num_rows)), [prefix] * num_rows)
+                    total = num_rows * per_row
+                    points[total] = min(points.get(total, float("inf")), *times[1:])
+            self.target_cache.truncate(list(range(rows)), [0] * rows)
+        tokens = sorted(points)
+        seconds = [points[t] for t in tokens]
+        for i in range(1, len(seconds)):  # a longer step never costs less
+            seconds[i] = max(seconds[i], seconds[i - 1])
+        return CostModel(tokens, seconds)
 
     def _threads_for(self, batch: ForwardBatch) -> int | None:
         """The torch threads a step over `batch` runs with (None: torch's setting)."""
@@ -175,11 +267,11 @@ class Engine:
             return self.config.small_step_threads
         return None
 
-    def _run_step(self, rows: list[Request], batch: ForwardBatch) -> list[StreamDelta]:
-        """Steps 2-6 of the module docstring over `rows`, merged into `batch`."""
-        k = self.k
-        drafts = padded_drafts(rows, k)  # [B, k] on the host, for the mask worker
-        pending_masks = self.step_masks.submit(rows, drafts)
+    def _run_step(self, rows: list[Request], batch: ForwardBatch, k: int) -> list[StreamDelta]:
+        """Steps 2-6 of the module docstring over `rows`, merged into `batch` with k positions per row."""
+        prefill = any(r.is_new for r in rows)  # a prefill's time says nothing of a verify's
+        pending_masks = self.step_masks.submit(rows, padded_drafts(rows, self.k))  # [B, k] host, for the worker
+        drafts = padded_drafts(rows, k)
         want_hidden = self.draft is not None and self.draft.hidden_kind is not None
         out = self.target.forward(
             batch,
@@ -187,12 +279,17 @@ class Engine:
             return_hidden=want_hidden and self.draft.hidden_kind == "last",
             return_aux=want_hidden and self.draft.hidden_kind == "aux",
         )
-        logits = out.logits.view(len(rows), k + 1, -1)
+        logits = self._mask_padding(out.logits.view(len(rows), k + 1, -1))
         drafts = to_device(drafts, logits.device)
         scores = sampling.adjusted(rows, logits, drafts)
         bitmask, in_thinking = self.step_masks.wait(pending_masks)
+        if k < self.k:  # masks are built for k drafts; this step verifies fewer
+            bitmask = None if bitmask is None else bitmask[:, : k + 1]
+            in_thinking = None if in_thinking is None else in_thinking[:, : k + 1]
         result = self._accept(rows, scores, drafts, bitmask, in_thinking)
         deltas = self._commit(rows, result, logits)
+        if self.policy is not None and not prefill:
+            self.policy.cost.observe(batch.num_tokens, time.perf_counter() - self._step_started)
         if self.draft is not None:
             self._propose([r for r in rows if r.output.finish_reason is None], rows, out, batch)
         return deltas
@@ -207,14 +304,15 @@ class Engine:
     ) -> AcceptanceResult:
         """Step 4 over the adjusted logits `scores` [B, k+1, V] and the drafts [B, k] on the device."""
         settings = sampling.sampling_tensors(rows, scores.device)
-        if self.k == 0:  # the plain path: `sample` is `accept` without drafts, minus the verification work
+        k = scores.shape[1] - 1
+        if k == 0:  # the plain path: `sample` is `accept` without drafts, minus the verification work
             return AcceptanceResult.without_drafts(
                 sample(scores[:, 0], settings, None if bitmask is None else bitmask[:, 0])
             )
         return accept(
             scores,
             drafts,
-            draft_probs=sampling.draft_probs(rows, self.k, scores.shape[-1], self.device),
+            draft_probs=sampling.draft_probs(rows, k, scores.shape[-1], self.device),
             sampling=settings,
             bitmask=bitmask,
             in_thinking=in_thinking,
@@ -232,6 +330,8 @@ class Engine:
             stats.steps += 1
             stats.drafted += len(r.drafts)
             stats.accepted += min(num_accepted, len(emitted))
+            if self.policy is not None:
+                self.policy.observe(r.request_id, len(r.drafts), min(num_accepted, len(r.drafts)))
             r.drafts, r.draft_probs, r.walked_masks = [], None, None
             self.target_cache.truncate([r.slot], [len(r.tokens) - 1])
             reason = finish_reason(
@@ -249,18 +349,29 @@ class Engine:
             deltas.append(stream_delta(r.output, r.text, emitted, logprobs, reason))
             if reason is not None:
                 self.scheduler.finish(r, reason)
+                if self.policy is not None:
+                    self.policy.forget(r.request_id)
         return deltas
 
     def _propose(self, live: list[Request], rows: list[Request], out, batch: ForwardBatch) -> None:
         """Step 6: give each live row's newly committed tokens and their hidden states to the draft."""
         if not live:
             return
+        keep = None
+        if self._adaptive():
+            keep = self.policy.choose([r.request_id for r in live], [r.params.temperature > 0 for r in live])
+        if keep is not None and not any(keep) and self._draft_skippable:
+            return  # no row drafts and the draft keeps no state: the next step is the plain step
+        started = time.perf_counter()
         hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
         draft_ids, hidden, histories = draft_batch(live, rows, batch, hidden_all, self.device)
         if self.draft_cache is not None:
             self.draft_cache.truncate(draft_ids.spans.slots, draft_ids.spans.starts)
         follows = self.draft.follows_constraint
         adjustments = sampling.adjustments(live, self.target.vocab_size, self.device) if follows else None
+        adjust = None if adjustments is None else adjustments.apply_after
+        if follows and self.vocab_limit < self.target.vocab_size:  # never draft a padded id
+            adjust = self._mask_padding if adjustments is None else self._padded_adjust(adjustments.apply_after)
         walk = self.step_masks.walk(live) if follows else None
         try:
             proposal = self.draft.propose(
@@ -269,7 +380,7 @@ class Engine:
                     hidden,
                     histories,
                     constraint=walk,
-                    adjust=None if adjustments is None else adjustments.apply_after,
+                    adjust=adjust,
                 ),
                 self.draft_cache,
                 self.k,
@@ -278,13 +389,20 @@ class Engine:
             if walk is not None:
                 walk.finish()
         proposed = proposal.tokens.tolist()  # one read of the device for every row
+        if keep is not None:
+            self.policy.observe_draft_time(time.perf_counter() - started)
         for b, r in enumerate(live):
-            drafts = proposed[b][: draft_budget(r, self.k, self.config.max_model_len)]
+            budget = draft_budget(r, self.k, self.config.max_model_len)
+            drafts = proposed[b][: budget if keep is None else min(budget, keep[b])]
             if PLACEHOLDER_TOKEN_ID in drafts:  # a draft with fewer proposals (n-gram miss)
                 drafts = drafts[: drafts.index(PLACEHOLDER_TOKEN_ID)]
             r.drafts = drafts
             r.draft_probs = None if proposal.probs is None else proposal.probs[b, : len(drafts)]
             r.walked_masks = self.step_masks.walked(walk, b, len(drafts))
+
+    def _padded_adjust(self, apply_after):
+        """The rows' adjustments, then the padded ids masked."""
+        return lambda logits, tokens: self._mask_padding(apply_after(logits, tokens))
 
 
 @contextlib.contextmanager

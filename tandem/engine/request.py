@@ -64,9 +64,10 @@ def validate(prompt: list[int], params: SamplingParams, *, max_model_len: int, k
 
 
 def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
-    """The request's constraint as a GrammarSpec; `grammar` is GBNF/EBNF if it has `::=`, else Lark."""
+    """The request's constraint as a GrammarSpec; `grammar` is GBNF/EBNF if it has `::=`, else Lark.
+    A JSON schema's whitespace is bounded by `params.json_whitespace`."""
     if params.json_schema is not None:
-        return GrammarSpec.json_schema(params.json_schema)
+        return GrammarSpec.json_schema(params.json_schema, whitespace=params.json_whitespace)
     if params.regex is not None:
         return GrammarSpec.regex(params.regex)
     if params.choice is not None:

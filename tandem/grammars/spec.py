@@ -4,6 +4,9 @@ Kinds: `json_schema` (dict, JSON text or pydantic model class), `regex`, `lark` 
 dialect), `ebnf` (GBNF, xgrammar's dialect) and `choice` (one of a list of literal strings, compiled
 as an escaped regex alternation). `strict=True` (default) refuses a backend that would silently
 ignore part of a JSON schema; `strict=False` accepts its approximation.
+
+JSON grammars bound the whitespace between JSON tokens (`whitespace`, see `JsonWhitespace`): an
+unbounded run is a way for a model to never close its answer (issue 30).
 """
 
 from __future__ import annotations
@@ -23,6 +26,26 @@ import xgrammar
 from tandem.grammars.errors import InvalidGrammarSpec
 
 GrammarKind = Literal["json_schema", "regex", "lark", "ebnf", "choice"]
+
+# The whitespace a JSON grammar allows between tokens: "default" = exactly `json.dumps`'s default
+# separators (", " between items, ": " after keys, nothing elsewhere); "compact" = none (the
+# separators "," and ":"); an int n = at most n whitespace characters (space, tab, newline,
+# carriage return) in each gap between tokens (0 is "compact").
+JsonWhitespace = Literal["default", "compact"] | int
+MAX_JSON_WHITESPACE = 64  # the largest bound an int `whitespace` may give
+
+
+def check_json_whitespace(value: object, name: str = "whitespace") -> None:
+    """Raise ValueError unless `value` is "default", "compact" or an int in 0..MAX_JSON_WHITESPACE."""
+    if value in ("default", "compact") and isinstance(value, str):
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_JSON_WHITESPACE:
+        return
+    raise ValueError(
+        f"{name} = {value!r} must be 'default' (json.dumps separators), 'compact' (no whitespace) "
+        f"or an int in 0..{MAX_JSON_WHITESPACE} (at most that many whitespace characters between tokens)"
+    )
+
 
 _REGEX_SPECIAL = re.compile(r"([\\.^$|?*+()\[\]{}/-])")
 
@@ -55,19 +78,37 @@ class GrammarSpec:
     """An immutable, hashable, validated grammar description; build it with the classmethods.
 
     `source` is the canonical text: JSON text for `json_schema` and `choice`, the pattern or
-    grammar text otherwise. Equal specs compile to the same grammar (it is the cache key).
+    grammar text otherwise. `whitespace` (json_schema only, else None) bounds the whitespace
+    between JSON tokens (`JsonWhitespace`). Equal specs compile to the same grammar (it is the
+    cache key).
     """
 
     kind: GrammarKind
     source: str
     strict: bool = True
+    whitespace: JsonWhitespace | None = None
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | bool | str | type, *, strict: bool = True) -> GrammarSpec:
+    def json_schema(
+        cls,
+        schema: dict[str, Any] | bool | str | type,
+        *,
+        strict: bool = True,
+        whitespace: JsonWhitespace = "compact",
+    ) -> GrammarSpec:
         """From a schema dict/bool, its JSON text, or a pydantic model class (`model_json_schema()`).
 
-        Raises InvalidGrammarSpec naming the JSON pointer of the first invalid subschema.
+        `whitespace`: what may stand between JSON tokens (`JsonWhitespace`); "compact" here, while
+        requests (`SamplingParams.json_whitespace`) default to "default", json.dumps's separators.
+        Raises InvalidGrammarSpec naming the JSON pointer of the first invalid subschema, or for an
+        invalid `whitespace`.
         """
+        try:
+            check_json_whitespace(whitespace)
+        except ValueError as e:
+            raise InvalidGrammarSpec(f"json_schema: {e}") from None
+        if whitespace == 0:
+            whitespace = "compact"  # one spelling per grammar: one cache entry
         if isinstance(schema, type):
             if not hasattr(schema, "model_json_schema"):
                 raise InvalidGrammarSpec(f"json_schema: {schema.__name__} is not a pydantic model class")
@@ -87,7 +128,7 @@ class GrammarSpec:
         error = _schema_error(source)
         if error is not None:
             raise InvalidGrammarSpec(error)
-        return cls("json_schema", source, strict)
+        return cls("json_schema", source, strict, whitespace)
 
     @classmethod
     def regex(cls, pattern: str) -> GrammarSpec:

@@ -275,4 +275,22 @@ class NgramConfig:
         return cls(**_entries(cls, config, cls.model))
 
 
+@dataclass(frozen=True, kw_only=True)
+class SuffixConfig:
+    """The model-free suffix draft (:mod:`tandem.models.drafts.suffix`): the trie's depth bound, the
+    confidence rule (a proposed token's frequency at its node, and the running product) and the
+    global store of recent outputs (in tokens; 0 turns it off)."""
+
+    model: ClassVar[str] = "suffix"
+
+    max_depth: int = 32
+    min_token_prob: float = 0.1
+    min_confidence: float = 0.0
+    global_tokens: int = 0  # off by default: `tandem bench` repeats its prompts, which it would memorize
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> SuffixConfig:
+        return cls(**_entries(cls, config, cls.model))
+
+
 TargetConfig = LlamaConfig | DeepseekV3Config

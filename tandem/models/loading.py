@@ -14,7 +14,7 @@ Builders read tensors with ``weights.take(key, shape)``, which fails with an err
 key and both shapes, and end with ``weights.finish(ignore=...)``, which names every tensor of the
 checkpoint the builder did not read.
 
-Draft kinds: ``"ngram"``, ``"mtp"`` (the MTP/NextN layer(s) after ``num_hidden_layers`` in the
+Draft kinds: ``"ngram"``, ``"suffix"``, ``"mtp"`` (the MTP/NextN layer(s) after ``num_hidden_layers`` in the
 target's own checkpoint), or a path to a draft checkpoint (EAGLE, EAGLE-3, NextN).
 """
 
@@ -34,7 +34,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from tandem.models.base import Draft, Target
-from tandem.models.config import DeepseekV3Config, Eagle3Config, EagleConfig, LlamaConfig, NgramConfig
+from tandem.models.config import DeepseekV3Config, Eagle3Config, EagleConfig, LlamaConfig, NgramConfig, SuffixConfig
 from tandem.models.linear import MergedLinear
 
 TARGET_MODULES = {  # config model_type -> (provider module, the config it is built from)
@@ -43,6 +43,7 @@ TARGET_MODULES = {  # config model_type -> (provider module, the config it is bu
 }
 DRAFT_MODULES = {  # config architectures[0] (or a kind name) -> (provider module, the config it is built from)
     "ngram": ("tandem.models.drafts.ngram", NgramConfig),
+    "suffix": ("tandem.models.drafts.suffix", SuffixConfig),
     "mtp": ("tandem.models.drafts.mtp", DeepseekV3Config),
     "DeepseekV3ForCausalLMNextN": ("tandem.models.drafts.mtp", DeepseekV3Config),
     "EagleLlamaForCausalLM": ("tandem.models.drafts.eagle", EagleConfig),
@@ -212,7 +213,7 @@ def load_draft(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
 ) -> Draft:
-    """Build a draft for ``target``: ``"ngram"``, ``"mtp"``, or a draft checkpoint directory.
+    """Build a draft for ``target``: ``"ngram"``, ``"suffix"``, ``"mtp"``, or a draft checkpoint directory.
 
     ``dtype``/``device`` default to the target's (its first parameter's) when it has any. ``"mtp"``
     reads the target's own checkpoint directory, its ``config.json`` included.
@@ -221,8 +222,8 @@ def load_draft(
     if dtype is None and target_param is not None:
         dtype = target_param.dtype
     device = torch.device(device or (target_param.device if target_param is not None else "cpu"))
-    if path_or_kind == "ngram":
-        module, config_class = _provider(DRAFT_MODULES, "ngram", "draft", "ngram")
+    if path_or_kind in ("ngram", "suffix"):  # model-free
+        module, config_class = _provider(DRAFT_MODULES, path_or_kind, "draft", path_or_kind)
         return module.build(config_class(), None, dtype=resolve_dtype(dtype, {}), device=device, target=target)
     if path_or_kind == "mtp":
         if target.checkpoint_dir is None:

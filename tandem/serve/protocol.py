@@ -6,7 +6,8 @@ derived seeds), with vLLM's `repetition_penalty` beside OpenAI's penalties and `
 Ranges follow OpenAI's where it defines them; a violation is reported by
 `errors.from_validation` as a 400 naming the field. Sampling fields OpenAI defines and tandem
 does not implement (`UNSUPPORTED`) are refused unless they ask for nothing; unknown fields and
-informational ones (`user`, `metadata`, ...) are ignored, as vLLM does.
+informational ones (`user`, `metadata`, ...) are ignored, as vLLM does. tandem's extension
+`json_whitespace` bounds the whitespace of JSON answers (SamplingParams.json_whitespace).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from tandem.decoding.params import MAX_LOGPROBS, SamplingParams
+from tandem.decoding.params import MAX_JSON_WHITESPACE, MAX_LOGPROBS, SamplingParams
 
 MAX_N = 8  # choices per request; each one is a row of the engine batch
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
@@ -108,6 +109,11 @@ class SamplingRequest(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, description="vLLM's extension; 1: off")
     logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    json_whitespace: Literal["default", "compact"] | Annotated[StrictInt, Field(ge=0, le=MAX_JSON_WHITESPACE)] = Field(
+        default="default",
+        description="tandem's extension: whitespace between JSON tokens of a response_format or tool-call answer; "
+        "'default' = json.dumps separators, 'compact' = none, n = at most n characters per gap",
+    )
     echo: Any = None  # UNSUPPORTED: present so that a value asking for something is refused
     best_of: Any = None
     suffix: Any = None
@@ -160,6 +166,7 @@ class SamplingRequest(_Body):
                 max_tokens=max_tokens,
                 stop=self.stop,
                 json_schema=json_schema,
+                json_whitespace=self.json_whitespace,
                 logprobs=self.num_logprobs(),
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,

@@ -30,6 +30,13 @@ def test_bench_smallest_run_reports_runs_and_ratios(tandem):
         assert 1 <= run["mean_accepted_length"] <= (K + 1 if run["draft"] != "none" else 1)
         if not run["relaxed"]:
             assert run["exact"] is True, run  # greedy speculation reproduces the plain tokens
+            assert "token_match" not in run
+        else:  # relaxed acceptance may change tokens: not checked for exactness, measured instead
+            assert run["exact"] is None and 0 <= run["token_match"] <= 1, run
+        if run["schema"]:
+            assert 0 <= run["schema_valid"] <= 1, run
+        else:
+            assert "schema_valid" not in run
     assert [peer["mode"] for peer in result["transformers"]] == ["plain", "prompt_lookup"]
     assert all(peer["generated"] > 0 and peer["tokens_per_s"] > 0 for peer in result["transformers"])
 
@@ -47,3 +54,30 @@ def test_bench_smallest_run_reports_runs_and_ratios(tandem):
     # without --json each run and each transformers mode also gets a line, before the JSON
     lines = out.strip().splitlines()[:-1]
     assert len(lines) == len(runs) + len(result["transformers"]) and all(MODEL in line for line in lines)
+
+
+def test_token_match_counts_aligned_equal_tokens_and_unmatched_tails():
+    from tandem.cli.bench import _token_match
+
+    plain = [[1, 2, 3, 4], [5, 6]]
+    assert _token_match([plain, plain], plain) == 1.0
+    # prompt 0: 3 of 4 equal; prompt 1: 2 equal and one extra token -> 5 of 7
+    assert _token_match([[[1, 2, 9, 4], [5, 6, 7]]], plain) == 5 / 7
+    assert _token_match([[[], []]], [[], []]) == 1.0
+
+
+def test_schema_answers_are_validated():
+    from tandem.cli.bench import _valid, _validators
+
+    (validator,) = _validators([{"type": "object", "required": ["a"]}])
+    assert _valid(validator, '{"a": 1}') and not _valid(validator, '{"b": 1}') and not _valid(validator, '{"a": ')
+    assert _validators([None]) == [None]
+
+
+def test_draft_choices_cover_every_available_kind():
+    from tandem.cli.bench import DRAFT_KINDS
+    from tandem.llm import available_drafts, resolve_model
+
+    for model in ("demo-llama", "demo-deepseek"):
+        assert set(available_drafts(resolve_model(model))) <= set(DRAFT_KINDS)
+    assert {"ngram", "suffix"} <= set(DRAFT_KINDS)

@@ -128,45 +128,6 @@ def test_cli_reports_bad_input_in_one_line_without_a_traceback(argv, says, tmp_p
     assert "Traceback" not in err
 
 
-def test_cli_bench_compares_the_paths_in_one_json_line(capsys):
-    argv = [
-        "bench",
-        "--json",
-        "--models",
-        "demo-llama",
-        "--prompts",
-        "2",
-        "--max-tokens",
-        "8",
-        "--k",
-        "2",
-        "--batch",
-        "2",
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-    ]
-    assert cli.main(argv) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["device"] == "cpu"
-    runs = report["models"]["demo-llama"]["runs"]
-    assert {r["draft"] for r in runs} == {"none", "eagle3", "eagle", "ngram"}
-    assert all(r["exact"] for r in runs if r["draft"] != "none" and not r["relaxed"])
-    ratios = report["models"]["demo-llama"]["ratios"]
-    assert {
-        "tandem_plain_vs_transformers_plain",
-        "eagle3_k2_vs_plain",
-        "eagle3_k2_decode_vs_plain",
-        "eagle3_k2_schema_vs_unconstrained",
-    } <= set(ratios)
-    assert all(0 < r["first_token_seconds"] < r["seconds"] for r in runs)
-    assert all(r["decode_tokens_per_s"] > 0 for r in runs)
-    ratio_range = report["models"]["demo-llama"]["ratio_range"]
-    assert ratio_range.keys() == ratios.keys()
-    assert all(low <= ratios[name] <= high for name, (low, high) in ratio_range.items())
-
-
 def test_auto_device_is_cuda_exactly_when_there_is_a_gpu():
     assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cpu") == "cpu" and resolve_device("cuda:1") == "cuda:1"

@@ -23,9 +23,24 @@ def _tokenizer(tokenizer: GrammarTokenizer) -> llguidance.LLTokenizer:
     return llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=tokenizer.vocab_size, eos_token=tokenizer.eos_token_id)
 
 
+def json_whitespace_options(spec: GrammarSpec) -> dict:
+    """JSON compile options for the spec's `whitespace` (exact in every mode). Passed as
+    `overrides`, so a schema's own `x-guidance` options cannot loosen them."""
+    if spec.whitespace == "default":
+        return {"whitespace_flexible": False, "whitespace_pattern": None, "item_separator": ", ", "key_separator": ": "}
+    if spec.whitespace in ("compact", None):
+        return {"whitespace_flexible": False, "whitespace_pattern": None, "item_separator": ",", "key_separator": ":"}
+    return {
+        "whitespace_flexible": True,
+        "item_separator": ",",
+        "key_separator": ":",
+        "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{spec.whitespace}}}",
+    }
+
+
 def _grammar_text(spec: GrammarSpec) -> str:
     if spec.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults={"whitespace_flexible": True})
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.source, overrides=json_whitespace_options(spec))
     if spec.kind == "lark":
         return llguidance.LLMatcher.grammar_from_lark(spec.source)
     if spec.kind == "ebnf":

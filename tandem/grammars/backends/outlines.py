@@ -56,11 +56,24 @@ class OutlinesMatcher(EosTerminatedMatcher):
         return self._guide.is_finished()
 
 
+# outlines-core puts one whitespace pattern in every gap between JSON tokens, so it cannot say
+# "a space after `,` and `:` only": json.dumps's separators ("default") are approximated by at
+# most one space per gap, which support.unhonoured reports (a strict spec is refused).
+WHITESPACE_PATTERNS = {"default": "[ ]?", "compact": "", None: ""}
+
+
+def whitespace_pattern(spec: GrammarSpec) -> str:
+    """The regex build_regex_from_schema puts between JSON tokens for the spec's `whitespace`."""
+    if spec.whitespace in WHITESPACE_PATTERNS:
+        return WHITESPACE_PATTERNS[spec.whitespace]
+    return rf"[ \t\n\r]{{0,{spec.whitespace}}}"
+
+
 def compile(spec: GrammarSpec, tokenizer: GrammarTokenizer):
     """Compile `spec`; returns a zero-argument factory of fresh matchers. Raises on outlines errors."""
     vocabulary = tokenizer.view(NAME, _vocabulary)
     if spec.kind == "json_schema":
-        regex = outlines_core.json_schema.build_regex_from_schema(spec.source)
+        regex = outlines_core.json_schema.build_regex_from_schema(spec.source, whitespace_pattern(spec))
     else:
         regex = spec.as_regex
     index = outlines_core.Index(regex, vocabulary)

@@ -54,12 +54,21 @@ class XGrammarMatcher:
         return self._matcher.is_terminated()
 
 
+def json_whitespace_options(spec: GrammarSpec) -> dict:
+    """compile_json_schema's whitespace arguments for the spec's `whitespace` (exact in every mode)."""
+    if spec.whitespace == "default":
+        return {"any_whitespace": False, "separators": (", ", ": ")}
+    if spec.whitespace in ("compact", None):
+        return {"any_whitespace": False, "separators": (",", ":")}
+    return {"any_whitespace": True, "max_whitespace_cnt": spec.whitespace}
+
+
 def compile(spec: GrammarSpec, tokenizer: GrammarTokenizer):
     """Compile `spec`; returns a zero-argument factory of fresh matchers. Raises on xgrammar errors."""
     compiler = tokenizer.view(NAME, _compiler)
     if spec.kind == "json_schema":
         # strict_mode=False: additionalProperties defaults to true, as JSON Schema says.
-        compiled = compiler.compile_json_schema(spec.source, any_whitespace=True, strict_mode=False)
+        compiled = compiler.compile_json_schema(spec.source, strict_mode=False, **json_whitespace_options(spec))
     elif spec.kind == "ebnf":
         compiled = compiler.compile_grammar(spec.source)
     else:

@@ -1,0 +1,180 @@
+"""Adaptive speculation: how many drafts each row verifies next step.
+
+The rule. Each row b keeps an estimate ``a_b`` of the probability that a draft position is accepted
+given that the ones before it were: a discounted count of accepted over tried positions with a prior
+(``(S + w * a0) / (N + w)``, S and N decayed by ``decay`` each update; a position is tried when all
+drafts before it were accepted; a0 is the same estimate over all rows, decayed by 0.99, so that a new
+row starts from the draft's recent acceptance). A row verifying j drafts then commits, in expectation,
+
+    E_b(j) = 1 + a + ... + a^j = (1 - a^(j+1)) / (1 - a)
+
+tokens. All rows share the step, whose time is ``cost(T) + draft`` for ``T = sum_b (j_b + 1)`` verified
+tokens: ``cost`` is the measured time of a target forward plus acceptance over T tokens (`CostModel`,
+calibrated once at engine start, then a running mean of the steps' own measured times at each T, the
+engine's per-step host work included) and ``draft`` the measured time of a proposal (paid by every
+option when the draft must run anyway to keep its cache, else only when some row drafts). The policy
+picks the ``j_b`` in 0..k_max maximising
+
+    sum_b E_b(j_b) / (cost(sum_b (j_b + 1)) + draft)
+
+exactly: the marginal gain of a row's j-th draft is ``a_b^j``, decreasing in j, so for each total number
+of drafts m the best allocation is the m largest marginals; the policy scans m = 0 .. B * k_max. m = 0
+(every row 0: the plain step) is one of the options, so by the model the choice is never slower than
+plain decoding. A row that has drafted nothing for ``probe_every`` steps drafts one position anyway, so
+its estimate can recover when the text turns predictable.
+
+Sampled rows (temperature > 0) are pinned to k_max. The lossless rule keeps their distribution
+whatever k is, but which tokens a seed draws depends on where the draws fall, hence on k; a choice
+driven by timings and by the other rows would make a seeded row's tokens depend on the machine and the
+batch, which tandem promises they do not (docs/DESIGN.md, "Acceptance rules"). Greedy rows' tokens do not
+depend on k, so only they adapt.
+
+Only host numbers enter (the acceptance counts the commit already read, and timings): choosing costs no
+device read, only Python ints and floats, O(B * k_max log(B * k_max)).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CostModel:
+    """Seconds of a verify step over T tokens, interpolated linearly between measured points (and
+    extrapolated with the last slope)."""
+
+    tokens: list[int]  # increasing
+    seconds: list[float]
+
+    def __call__(self, num_tokens: int) -> float:
+        ts, cs = self.tokens, self.seconds
+        if len(ts) == 1:
+            return cs[0] * num_tokens / ts[0]
+        i = min(max(bisect.bisect_left(ts, num_tokens), 1), len(ts) - 1)
+        t0, t1, c0, c1 = ts[i - 1], ts[i], cs[i - 1], cs[i]
+        return max(c0 + (c1 - c0) * (num_tokens - t0) / (t1 - t0), 1e-9)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """A step's measured time over `num_tokens`: a running mean at that point (inserted if new), so the
+        model comes to include the engine's own per-step work on this device."""
+        i = bisect.bisect_left(self.tokens, num_tokens)
+        if i < len(self.tokens) and self.tokens[i] == num_tokens:
+            self.seconds[i] = 0.8 * self.seconds[i] + 0.2 * seconds
+        else:
+            self.tokens.insert(i, num_tokens)
+            self.seconds.insert(i, seconds)
+
+
+def expected_tokens(a: float, j: int) -> float:
+    """Tokens a row commits in expectation with j drafts, each accepted with probability a after the last."""
+    return sum(a**i for i in range(j + 1))
+
+
+def choose_drafts(
+    rates: list[float],
+    k_max: int,
+    cost: CostModel,
+    draft_cost: float,
+    draft_always: bool,
+    pinned: list[bool] | None = None,
+) -> list[int]:
+    """The drafts per row (0..k_max) maximising expected committed tokens per second (the module's rule).
+
+    rates: each row's per-position acceptance estimate; draft_cost: seconds of a proposal, paid by every
+    option when `draft_always` or some row is pinned, else only by options where some row drafts;
+    pinned: rows that verify k_max drafts whatever the rule says (their cost and gain still count)."""
+    rows = len(rates)
+    pinned = pinned or [False] * rows
+    if rows == 0 or k_max == 0:
+        return [0] * rows
+    free = [b for b in range(rows) if not pinned[b]]
+    marginals = sorted(((rates[b] ** j, b) for b in free for j in range(1, k_max + 1)), reverse=True)
+    forced = k_max * (rows - len(free))
+    fixed = draft_cost if draft_always or forced else 0.0
+    gained = sum(expected_tokens(a, k_max) if p else 1.0 for a, p in zip(rates, pinned))
+    best_m, best = 0, gained / (cost(rows + forced) + fixed)
+    for m, (gain, _) in enumerate(marginals, start=1):
+        if gain <= 0.0:
+            break
+        gained += gain
+        value = gained / (cost(rows + forced + m) + draft_cost)
+        if value > best:
+            best_m, best = m, value
+    counts = [k_max if p else 0 for p in pinned]
+    for _, b in marginals[:best_m]:
+        counts[b] += 1
+    return counts
+
+
+@dataclass
+class RowEstimate:
+    accepted: float = 0.0  # discounted accepted positions
+    tried: float = 0.0  # discounted tried positions
+    idle: int = 0  # consecutive steps without drafts
+
+
+@dataclass
+class AdaptivePolicy:
+    """Per-row acceptance estimates and the choice of each step's drafts (module docstring)."""
+
+    k_max: int
+    cost: CostModel
+    draft_always: bool  # the draft runs every step anyway (it keeps a cache), so its cost is sunk
+    prior: float = 0.5  # a0: the acceptance rate a new row starts from
+    prior_weight: float = 2.0  # w: in tried positions
+    decay: float = 0.9  # weight of the past per update
+    probe_every: int = 8  # a row without drafts for this many steps drafts one
+    draft_cost: float = 0.0  # seconds per proposal, a running mean of measured proposals
+    draft_timings: int = 0  # proposals timed (the first, a warm-up, is not counted)
+    rows: dict[str, RowEstimate] = field(default_factory=dict)
+    overall: RowEstimate = field(default_factory=RowEstimate)  # every row's outcomes (decay 0.99): the prior
+    chosen: collections.Counter = field(default_factory=collections.Counter)  # k -> row-steps
+
+    def prior_rate(self) -> float:
+        """A row's starting estimate: the draft's recent acceptance over all rows (`prior` before any)."""
+        o = self.overall
+        return (o.accepted + self.prior) / (o.tried + 1.0)
+
+    def rate(self, request_id: str) -> float:
+        prior = self.prior_rate()
+        e = self.rows.get(request_id)
+        if e is None:
+            return prior
+        return (e.accepted + self.prior_weight * prior) / (e.tried + self.prior_weight)
+
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A commit's outcome for a row that verified `drafted` drafts and accepted `accepted`."""
+        e = self.rows.setdefault(request_id, RowEstimate())
+        if drafted == 0:
+            e.idle += 1
+            return
+        e.idle = 0
+        tried = min(accepted + 1, drafted)
+        e.accepted = self.decay * e.accepted + accepted
+        e.tried = self.decay * e.tried + tried
+        self.overall.accepted = 0.99 * self.overall.accepted + accepted
+        self.overall.tried = 0.99 * self.overall.tried + tried
+
+    def observe_draft_time(self, seconds: float) -> None:
+        """A proposal's measured time; the first is a warm-up and only counts until the second."""
+        self.draft_timings += 1
+        first = self.draft_timings <= 2
+        self.draft_cost = seconds if first else 0.8 * self.draft_cost + 0.2 * seconds
+
+    def forget(self, request_id: str) -> None:
+        self.rows.pop(request_id, None)
+
+    def choose(self, request_ids: list[str], pinned: list[bool] | None = None) -> list[int]:
+        """Each row's drafts for its next verify (0..k_max), probes included; counted in `chosen`.
+        `pinned` rows keep k_max (sampled rows: see the module docstring)."""
+        counts = choose_drafts(
+            [self.rate(r) for r in request_ids], self.k_max, self.cost, self.draft_cost, self.draft_always, pinned
+        )
+        for b, r in enumerate(request_ids):
+            e = self.rows.get(r)
+            if counts[b] == 0 and e is not None and e.idle + 1 >= self.probe_every:
+                counts[b] = 1
+        self.chosen.update(counts)
+        return counts
