@@ -31,6 +31,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import jsonschema
 import torch
 
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
@@ -223,8 +224,6 @@ def _token_match(outputs: list[list[list[int]]], plain: list[list[int]]) -> floa
 
 def _validators(schemas: list) -> list:
     """One JSON-schema validator per prompt (None without a schema)."""
-    import jsonschema
-
     return [
         None
         if schema is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -26,3 +28,22 @@ def check_tensor(
     if device is not None and value.device != device:
         raise ValueError(f"{name} is on {value.device}, expected {device} like the logits")
     return value
+
+
+# The whitespace a JSON grammar allows between tokens, as requests (`SamplingParams.json_whitespace`)
+# and grammar specs (`GrammarSpec.whitespace`) give it: "default" = exactly `json.dumps`'s default
+# separators (", " between items, ": " after keys, nothing elsewhere); "compact" = none (the
+# separators "," and ":"); an int n = at most n whitespace characters (space, tab, newline,
+# carriage return) in each gap between tokens (0 is "compact").
+JsonWhitespace = Literal["default", "compact"] | int
+MAX_JSON_WHITESPACE = 64  # the largest bound an int JsonWhitespace may give
+JSON_WHITESPACE_RULE = (
+    f"'default' (json.dumps separators), 'compact' (no whitespace) or an int in 0..{MAX_JSON_WHITESPACE}"
+)
+
+
+def is_json_whitespace(value: object) -> bool:
+    """Whether `value` is a JsonWhitespace (a bool is not an int here)."""
+    if isinstance(value, str):
+        return value in ("default", "compact")
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_JSON_WHITESPACE

@@ -142,9 +142,10 @@ def _accept_with_kernels(
             f"target_logits must have a vocabulary of at least 1 token, got shape {list(target_logits.shape)}"
         )
     stochastic = sampling is not None and not sampling.all_greedy
-    fallback = None
+    kernel_rows = torch_rows = None
     if stochastic and sampling.any_top_k_top_p:
         fallback = ((sampling.top_k > 0) | (sampling.top_p < 1)) & (sampling.temperature > 0)
+        kernel_rows, torch_rows = (~fallback).nonzero().squeeze(-1), fallback.nonzero().squeeze(-1)
     tokens, num_accepted, dead_end = accept_triton(
         target_logits,
         draft_tokens,
@@ -156,26 +157,23 @@ def _accept_with_kernels(
         seed=sampling.seed if stochastic else None,
         relaxed_top_k=0 if relaxed is None else relaxed.top_k,
         relaxed_delta=0.0 if relaxed is None else relaxed.delta,
-        rows=None if fallback is None else (~fallback).nonzero().squeeze(-1),
+        rows=kernel_rows,
     )
     result = AcceptanceResult(num_accepted=num_accepted, tokens=tokens, dead_end=dead_end)
-    rows = None if fallback is None else fallback.nonzero().squeeze(-1)
-    if rows is not None and rows.numel():
-        pick = lambda value: None if value is None else value[rows]  # noqa: E731
-        fields = ("temperature", "top_k", "top_p", "min_p", "seed")
-        subset = SamplingTensors(*(getattr(sampling, name)[rows] for name in fields))
+    if torch_rows is not None and torch_rows.numel():
+        pick = lambda value: None if value is None else value[torch_rows]  # noqa: E731
         torch_result = _accept_torch(
-            target_logits[rows],
-            draft_tokens[rows],
+            target_logits[torch_rows],
+            draft_tokens[torch_rows],
             pick(draft_probs),
-            subset,
+            sampling.select(torch_rows),
             pick(bitmask),
             pick(in_thinking),
             relaxed,
         )
-        result.num_accepted[rows] = torch_result.num_accepted
-        result.tokens[rows] = torch_result.tokens
-        result.dead_end[rows] = torch_result.dead_end
+        result.num_accepted[torch_rows] = torch_result.num_accepted
+        result.tokens[torch_rows] = torch_result.tokens
+        result.dead_end[torch_rows] = torch_result.dead_end
     return result
 
 

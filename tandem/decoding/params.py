@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
+from tandem.core.checks import JSON_WHITESPACE_RULE, JsonWhitespace, is_json_whitespace
 from tandem.core.transfer import to_device
 
-MAX_JSON_WHITESPACE = 64  # SamplingParams.json_whitespace as an int at most (grammars.spec has the same bound)
 MAX_LOGPROBS = 20  # SamplingParams.logprobs at most: alternatives per token, as OpenAI's top_logprobs allows
 
 _FIELDS = {  # name -> dtype every SamplingTensors field must have
@@ -137,6 +136,10 @@ class SamplingTensors:
         """Each row repeated `repeats` times, [B] -> [B * repeats]: one entry per draft position."""
         return self._map(lambda value: value.repeat_interleave(repeats))
 
+    def select(self, rows: torch.Tensor) -> SamplingTensors:
+        """The settings of `rows` ([R] int64 row ids), in that order; the flags are those of the subset."""
+        return SamplingTensors(**{name: getattr(self, name)[rows] for name in _FIELDS})
+
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SamplingTensors:
         """Apply `fn` to every field; the flags are carried over, never recomputed (no device sync)."""
         mapped = object.__new__(SamplingTensors)
@@ -201,7 +204,7 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
-    json_whitespace: Literal["default", "compact"] | int = "default"
+    json_whitespace: JsonWhitespace = "default"
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -239,14 +242,7 @@ class SamplingParams:
             self.stop = [self.stop]
         _require(all(isinstance(s, str) and s for s in self.stop or []), "stop", self.stop, "non-empty strings")
         _require(
-            isinstance(self.json_whitespace, str)
-            and self.json_whitespace in ("default", "compact")
-            or isinstance(self.json_whitespace, int)
-            and not isinstance(self.json_whitespace, bool)
-            and 0 <= self.json_whitespace <= MAX_JSON_WHITESPACE,
-            "json_whitespace",
-            self.json_whitespace,
-            f"'default' (json.dumps separators), 'compact' (no whitespace) or an int in 0..{MAX_JSON_WHITESPACE}",
+            is_json_whitespace(self.json_whitespace), "json_whitespace", self.json_whitespace, JSON_WHITESPACE_RULE
         )
         constraints = [
             name for name in ("json_schema", "regex", "grammar", "choice") if getattr(self, name) is not None

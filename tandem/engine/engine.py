@@ -270,8 +270,8 @@ class Engine:
     def _run_step(self, rows: list[Request], batch: ForwardBatch, k: int) -> list[StreamDelta]:
         """Steps 2-6 of the module docstring over `rows`, merged into `batch` with k positions per row."""
         prefill = any(r.is_new for r in rows)  # a prefill's time says nothing of a verify's
-        pending_masks = self.step_masks.submit(rows, padded_drafts(rows, self.k))  # [B, k] host, for the worker
-        drafts = padded_drafts(rows, k)
+        all_drafts = padded_drafts(rows, self.k)  # [B, k] host: the masks cover k whatever this step verifies
+        pending_masks = self.step_masks.submit(rows, all_drafts)
         want_hidden = self.draft is not None and self.draft.hidden_kind is not None
         out = self.target.forward(
             batch,
@@ -280,7 +280,7 @@ class Engine:
             return_aux=want_hidden and self.draft.hidden_kind == "aux",
         )
         logits = self._mask_padding(out.logits.view(len(rows), k + 1, -1))
-        drafts = to_device(drafts, logits.device)
+        drafts = to_device(all_drafts[:, :k], logits.device)
         scores = sampling.adjusted(rows, logits, drafts)
         bitmask, in_thinking = self.step_masks.wait(pending_masks)
         if k < self.k:  # masks are built for k drafts; this step verifies fewer

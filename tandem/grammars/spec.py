@@ -5,8 +5,8 @@ dialect), `ebnf` (GBNF, xgrammar's dialect) and `choice` (one of a list of liter
 as an escaped regex alternation). `strict=True` (default) refuses a backend that would silently
 ignore part of a JSON schema; `strict=False` accepts its approximation.
 
-JSON grammars bound the whitespace between JSON tokens (`whitespace`, see `JsonWhitespace`): an
-unbounded run is a way for a model to never close its answer (issue 30).
+JSON grammars bound the whitespace between JSON tokens (`whitespace`, see `tandem.core.checks.JsonWhitespace`): an
+unbounded run is a way for a model to never close its answer.
 """
 
 from __future__ import annotations
@@ -23,28 +23,17 @@ import jsonschema
 import llguidance
 import xgrammar
 
+from tandem.core.checks import JSON_WHITESPACE_RULE, JsonWhitespace, is_json_whitespace
 from tandem.grammars.errors import InvalidGrammarSpec
 
 GrammarKind = Literal["json_schema", "regex", "lark", "ebnf", "choice"]
 
-# The whitespace a JSON grammar allows between tokens: "default" = exactly `json.dumps`'s default
-# separators (", " between items, ": " after keys, nothing elsewhere); "compact" = none (the
-# separators "," and ":"); an int n = at most n whitespace characters (space, tab, newline,
-# carriage return) in each gap between tokens (0 is "compact").
-JsonWhitespace = Literal["default", "compact"] | int
-MAX_JSON_WHITESPACE = 64  # the largest bound an int `whitespace` may give
-
 
 def check_json_whitespace(value: object, name: str = "whitespace") -> None:
-    """Raise ValueError unless `value` is "default", "compact" or an int in 0..MAX_JSON_WHITESPACE."""
-    if value in ("default", "compact") and isinstance(value, str):
-        return
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_JSON_WHITESPACE:
-        return
-    raise ValueError(
-        f"{name} = {value!r} must be 'default' (json.dumps separators), 'compact' (no whitespace) "
-        f"or an int in 0..{MAX_JSON_WHITESPACE} (at most that many whitespace characters between tokens)"
-    )
+    """Raise ValueError unless `value` is a JsonWhitespace."""
+    if not is_json_whitespace(value):
+        rule = f"{JSON_WHITESPACE_RULE} (at most that many whitespace characters between tokens)"
+        raise ValueError(f"{name} = {value!r} must be {rule}")
 
 
 _REGEX_SPECIAL = re.compile(r"([\\.^$|?*+()\[\]{}/-])")

@@ -18,7 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from tandem.decoding.params import MAX_JSON_WHITESPACE, MAX_LOGPROBS, SamplingParams
+from tandem.core.checks import MAX_JSON_WHITESPACE
+from tandem.decoding.params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 8  # choices per request; each one is a row of the engine batch
 MAX_STOP = 4  # stop strings per request, as OpenAI allows

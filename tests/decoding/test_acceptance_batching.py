@@ -13,7 +13,7 @@ VOCAB, K = 50, 4
 
 def _accept(rows, order):
     logits, drafts, q, bitmask, sampling, thinking = rows
-    picked = SamplingTensors(*(getattr(sampling, f)[order] for f in ("temperature", "top_k", "top_p", "min_p", "seed")))
+    picked = sampling.select(order)
     return accept(
         logits[order],
         drafts[order],

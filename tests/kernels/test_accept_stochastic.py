@@ -103,7 +103,7 @@ def test_placeholder_drafts_give_a_plain_sample_even_with_draft_probs():
 
 def _accept_rows(rows, order, backend=accept_triton):
     logits, drafts, q, bitmask, sampling, thinking = rows
-    picked = SamplingTensors(*(getattr(sampling, f)[order] for f in ("temperature", "top_k", "top_p", "min_p", "seed")))
+    picked = sampling.select(order)
     with block_size(16):
         result = backend(
             logits[order].to(DEVICE),

@@ -103,7 +103,7 @@ def test_the_trie_takes_counts_back_exactly():
     trie.extend([trie.root], [1, 2, 3, 1, 2])
     before = counts(trie.root)
     trie.extend([trie.root], [2, 2, 5, 1])
-    trie.extend([trie.root], [2, 2, 5, 1], sign=-1)
+    trie.remove([trie.root], [2, 2, 5, 1])
     assert counts(trie.root) == before
 
 

@@ -63,14 +63,11 @@ class SuffixTrie:
         self.root = Node()
         self.clock = 0  # a counter for recency
 
-    def extend(self, active: list[Node], tokens: list[int], sign: int = 1) -> list[Node]:
+    def extend(self, active: list[Node], tokens: list[int]) -> list[Node]:
         """Append ``tokens`` to the sequence whose suffix nodes are ``active`` (``active[j]``: the
         suffix of length j <= ``max_depth``; ``[root]`` for an empty sequence); returns the new
         active nodes. The trie holds strings of up to ``max_depth + 1`` tokens: a context of up to
-        ``max_depth`` and its continuation.
-        ``sign=-1`` takes the counts of a previous ``extend`` back (eviction) and prunes empty nodes."""
-        if sign < 0:
-            return self._remove(active, tokens)
+        ``max_depth`` and its continuation."""
         depth, root, clock = self.max_depth, self.root, self.clock
         for t in tokens:  # the hot loop: O(max_depth) dictionary steps per token
             clock += 1
@@ -90,7 +87,7 @@ class SuffixTrie:
         self.clock = clock
         return active
 
-    def _remove(self, active: list[Node], tokens: list[int]) -> list[Node]:
+    def remove(self, active: list[Node], tokens: list[int]) -> list[Node]:
         """Take back the counts of ``extend(active, tokens)``, pruning nodes whose count drops to 0."""
         for t in tokens:
             new = [self.root]
@@ -216,7 +213,7 @@ class SuffixDraft:
         self.global_version += 1
         while self.global_size > self.global_tokens:
             old = self.global_outputs.popleft()
-            self.global_trie.extend([self.global_trie.root], old, sign=-1)
+            self.global_trie.remove([self.global_trie.root], old)
             self.global_size -= len(old)
 
     def update(self, slot: int, history: Tensor, start: int | None = None) -> SlotState:
