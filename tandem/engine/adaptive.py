@@ -37,19 +37,26 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 from dataclasses import dataclass, field
 
 
 @dataclass
 class CostModel:
     """Seconds of a verify step over T tokens, interpolated linearly between measured points (and
-    extrapolated with the last slope)."""
+    extrapolated with the last slope). A longer step never costs less: the model reads the running
+    maximum of its points, since a noisy measurement that made a wider verify look cheaper would make
+    drafts look free to verify."""
 
     tokens: list[int]  # increasing
-    seconds: list[float]
+    seconds: list[float]  # as measured
+    _monotone: list[float] = field(init=False, repr=False)  # running maximum of `seconds`
+
+    def __post_init__(self) -> None:
+        self._monotone = list(itertools.accumulate(self.seconds, max))
 
     def __call__(self, num_tokens: int) -> float:
-        ts, cs = self.tokens, self.seconds
+        ts, cs = self.tokens, self._monotone
         if len(ts) == 1:
             return cs[0] * num_tokens / ts[0]
         i = min(max(bisect.bisect_left(ts, num_tokens), 1), len(ts) - 1)
@@ -65,6 +72,7 @@ class CostModel:
         else:
             self.tokens.insert(i, num_tokens)
             self.seconds.insert(i, seconds)
+        self._monotone = list(itertools.accumulate(self.seconds, max))
 
 
 def expected_tokens(a: float, j: int) -> float:

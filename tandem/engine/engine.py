@@ -256,10 +256,7 @@ class Engine:
                     points[total] = min(points.get(total, float("inf")), *times[1:])
             self.target_cache.truncate(list(range(rows)), [0] * rows)
         tokens = sorted(points)
-        seconds = [points[t] for t in tokens]
-        for i in range(1, len(seconds)):  # a longer step never costs less
-            seconds[i] = max(seconds[i], seconds[i - 1])
-        return CostModel(tokens, seconds)
+        return CostModel(tokens, [points[t] for t in tokens])
 
     def _threads_for(self, batch: ForwardBatch) -> int | None:
         """The torch threads a step over `batch` runs with (None: torch's setting)."""

@@ -163,3 +163,12 @@ def test_seeded_sampling_runs_with_adaptive_speculation(demo_llms, pair):
     prompts = [llm.chat_prompt(e.messages, e.tools) for e in generate_examples(2, seed=6, split="heldout")]
     out = generate(llm.engine, prompts, SamplingParams(max_tokens=24, temperature=0.8, seed=3))
     assert all(out) and all(0 <= t < len(llm.tokenizer) for tokens in out for t in tokens)
+
+
+def test_a_wider_verify_never_costs_less_even_when_measured_so():
+    """Noise can measure a wider step as cheaper; the model must not then see drafts as free."""
+    cost = CostModel([1, 4, 8], [1.0, 0.5, 2.0])
+    assert cost(4) == 1.0 and cost(1) <= cost(2) <= cost(4) <= cost(6) <= cost(8)
+    cost.observe(6, 0.1)
+    assert [cost(t) for t in (4, 6, 8)] == sorted(cost(t) for t in (4, 6, 8)) and cost(6) >= cost(4)
+    assert choose_drafts([0.01, 0.01], 4, CostModel([2, 6], [1.0, 0.9]), 0.05, draft_always=False) == [0, 0]
