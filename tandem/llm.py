@@ -28,6 +28,10 @@ class LLM:
         bfloat16 checkpoint's) in bfloat16 and widens them per call: the same results from half
         the bytes, which decides a small model's speed there
         (:func:`tandem.models.linear.narrow_exact_weights`).
+    graph_mode: "eager" runs every step op by op; "compiled" runs decode, verify and draft steps as
+        compiled graphs (CUDA graphs on a GPU, inductor on the CPU); "auto" picks per device type
+        (:class:`tandem.engine.EngineConfig`).
+    capture_sizes: the batch sizes graphs are built for (None: 1, 2, 4, ... up to max_num_seqs).
     """
 
     def __init__(
@@ -42,6 +46,8 @@ class LLM:
         dtype: torch.dtype | None = None,
         max_num_seqs: int = 8,
         max_model_len: int | None = None,
+        graph_mode: str = "auto",
+        capture_sizes: Sequence[int] | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -72,6 +78,8 @@ class LLM:
                 max_model_len=context,
                 relaxed=relaxed,
                 grammar_backend=grammar_backend,
+                graph_mode=graph_mode,
+                capture_sizes=None if capture_sizes is None else tuple(capture_sizes),
             ),
         )
 

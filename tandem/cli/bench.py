@@ -14,12 +14,25 @@ they report `token_match` instead, the share of their output tokens equal to the
 (plain runs too: truncated answers, at `--max-tokens`, do not). `--models`, `--drafts`, `--k`, `--batch`, `--prompts`,
 `--max-tokens` and `--repeats` narrow a run (tests/cli/test_bench.py takes one of each).
 
+`--graph-mode eager compiled` measures every case in each graph mode (`LLM(graph_mode=...)`), interleaved
+like the rest; each row carries its `graph_mode`, exactness is checked against the plain run of the same
+mode, the headline `ratios` are those of the first mode listed, and `compiled_vs_eager` gives, per draft,
+k, batch and schema, the median within-round ratio of compiled to eager tokens/s. `graph_runners` lists what
+each engine with a graph runner (`engine.runner`) reports: start-up compile time, graph memory, eager
+fallbacks and replays.
+
 The machine's speed drifts over seconds, so the cases are interleaved finely: each of
 `--repeats` rounds runs every case on the first prompt group, then every case on the second, and
 so on. A case's tokens/s is its fastest round (timeit's rule: slower rounds measure
 the machine's other load, not the code); a ratio is the median over rounds of the ratio within a
 round, where both sides saw the same stretch of machine, and `ratio_range` gives its spread. One
 JSON object on the last line of stdout.
+
+Progress (`--progress`): a bar on stderr with the model, the case and the round running, the time
+spent and an estimate of the time left (from the token budget done so far), for the warm-up and then
+for the rounds. `auto` shows it only when stderr is a terminal: a bar redraws itself with carriage
+returns, which in a log file or a CI capture become thousands of lines; `on` forces it. Stdout keeps
+only the per-case lines (none with `--json`) and the JSON line.
 """
 
 from __future__ import annotations
@@ -28,17 +41,22 @@ import argparse
 import functools
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import jsonschema
 import torch
+from tqdm import tqdm
 
+from tandem.cli.options import add_graph_mode_argument
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
 from tandem.models.loading import DTYPES
 
 DRAFT_KINDS = ["eagle3", "eagle", "mtp", "ngram", "suffix"]  # tandem.llm.available_drafts' kinds
 Run = Callable[[list[int], int], dict]  # (prompt indices, max_tokens) -> {"seconds", "generated", ...}
+WARMUP_TOKENS = 4  # max_tokens of each case's warm-up pass
+GRAPH_STATS = ("compile_s", "graph_bytes", "fallbacks", "replays")  # read from `llm.engine.runner` if there
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weights' dtype (default: float32 on the CPU, the checkpoint's elsewhere)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every measurement")
+    add_graph_mode_argument(parser, several=True)
     parser.add_argument("--json", action="store_true", help="only the JSON line")
+    parser.add_argument(
+        "--progress",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="a progress bar on stderr (auto: when stderr is a terminal)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from tandem.llm import resolve_device
 
+    args.graph_mode = list(dict.fromkeys(args.graph_mode))  # each mode once, in the order given
     report = {
         "benchmark": "tandem bench",
         "device": resolve_device(args.device),
@@ -86,20 +112,32 @@ def run(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "prompts": args.prompts,
         "repeats": args.repeats,
+        "graph_modes": args.graph_mode,
         "models": {},
     }
+    show = {"on": True, "off": False, "auto": sys.stderr.isatty()}[args.progress]
     for model in args.models:
-        report["models"][model] = _bench_model(model, args)
+        with tqdm(desc=model, file=sys.stderr, disable=not show, unit="tok", smoothing=0, dynamic_ncols=True) as bar:
+            report["models"][model] = _bench_model(model, args, bar)
     print(json.dumps(report))
     return 0
 
 
 def _log(args: argparse.Namespace, message: str) -> None:
+    """A line on stdout (none with --json), written around the progress bar."""
     if not args.json:
-        print(message, flush=True)
+        tqdm.write(message, file=sys.stdout)
 
 
-def _bench_model(model: str, args: argparse.Namespace) -> dict:
+def _label(key: tuple) -> str:
+    """A case's name on the progress bar."""
+    if key[0] == "transformers":
+        return f"transformers {key[1]}"
+    draft, k, relaxed, constrained, batch, mode = key
+    return f"{draft} k={k}{' relaxed' if relaxed else ''}{' schema' if constrained else ''} batch={batch} {mode}"
+
+
+def _bench_model(model: str, args: argparse.Namespace, bar: tqdm) -> dict:
     from tandem.demo.corpus import TASK_FAMILIES, generate_examples
     from tandem.llm import LLM, available_drafts, chat_prompt_ids, resolve_model
     from tandem.models.loading import load_tokenizer
@@ -112,38 +150,44 @@ def _bench_model(model: str, args: argparse.Namespace) -> dict:
         batch: [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
         for batch in args.batch
     }
-    cases: dict[tuple, tuple[Run, list[list[int]]]] = {}  # (draft, k, relaxed, schema, batch) -> (run, groups)
+    cases: dict[tuple, tuple[Run, list[list[int]]]] = {}  # (draft, k, relaxed, schema, batch, mode) -> (run, groups)
+    engines: dict[tuple, object] = {}  # (draft, k, relaxed, mode) -> its LLM
     drafts = [d for d in available_drafts(path) if args.drafts is None or d in args.drafts]
     for draft in [None, *drafts]:
         for k in args.k if draft else [0]:
             for relaxed in [None, RelaxedAcceptance()] if draft else [None]:
-                llm = LLM(
-                    model,
-                    draft,
-                    num_speculative_tokens=max(k, 1),
-                    relaxed=relaxed,
-                    max_num_seqs=max(args.batch),
-                    device=args.device,
-                    dtype=DTYPES.get(args.dtype),
-                )
-                for constrained in (False, True):
-                    schemas = [TASK_FAMILIES[ex.family].schema if constrained else None for ex in examples]
-                    for batch in args.batch:
-                        run = functools.partial(measure, llm, prompts, schemas, _validators(schemas))
-                        cases[draft or "none", k, relaxed is not None, constrained, batch] = run, groups[batch]
+                for mode in args.graph_mode:
+                    bar.set_description(f"{model} loading {draft or 'plain'} k={k} {mode}")
+                    llm = LLM(
+                        model,
+                        draft,
+                        num_speculative_tokens=max(k, 1),
+                        relaxed=relaxed,
+                        max_num_seqs=max(args.batch),
+                        device=args.device,
+                        dtype=DTYPES.get(args.dtype),
+                        graph_mode=mode,
+                    )
+                    engines[draft or "none", k, relaxed is not None, mode] = llm
+                    for constrained in (False, True):
+                        schemas = [TASK_FAMILIES[ex.family].schema if constrained else None for ex in examples]
+                        for batch in args.batch:
+                            run = functools.partial(measure, llm, prompts, schemas, _validators(schemas))
+                            key = draft or "none", k, relaxed is not None, constrained, batch, mode
+                            cases[key] = run, groups[batch]
     for mode, extra in _transformers_modes(args):
         run = functools.partial(_measure_transformers, path, next(llm.target.parameters()), tokenizer, prompts, extra)
         cases["transformers", mode] = run, [[i] for i in range(len(prompts))]
-    rounds = _interleaved_rounds(cases, args)
+    rounds = _interleaved_rounds(cases, args, model, bar)
 
     plain_tokens = {key[3:]: rounds[key][0]["tokens"] for key in rounds if key[0] == "none"}
     results: list[dict] = []
     for key, runs in rounds.items():
         if key[0] == "transformers":
             continue
-        draft, k, relaxed, constrained, batch = key
+        draft, k, relaxed, constrained, batch, mode = key
         row = _fastest(runs)
-        plain = plain_tokens[constrained, batch]
+        plain = plain_tokens[constrained, batch, mode]
         if relaxed:  # may differ by design: how much it did
             row["exact"] = None
             row["token_match"] = round(_token_match([run["tokens"] for run in runs], plain), 4)
@@ -151,39 +195,77 @@ def _bench_model(model: str, args: argparse.Namespace) -> dict:
             row["exact"] = all(run["tokens"] == plain for run in runs)
         if constrained:
             row["schema_valid"] = round(sum(r["valid"] for r in runs) / max(sum(r["requests"] for r in runs), 1), 4)
-        row.update(draft=draft, k=k, relaxed=relaxed, schema=constrained, batch=batch)
+        row.update(draft=draft, k=k, relaxed=relaxed, schema=constrained, batch=batch, graph_mode=mode)
         results.append(row)
         _log(
             args,
             f"{model:14s} draft={draft:7s} k={k} relaxed={relaxed!s:5s} schema={constrained!s:5s} "
-            f"batch={batch}  {row['tokens_per_s']:8.1f} tok/s  accepted length {row['mean_accepted_length']:.2f}",
+            f"batch={batch} {mode:8s}  {row['tokens_per_s']:8.1f} tok/s  "
+            f"accepted length {row['mean_accepted_length']:.2f}",
         )
     peers = [{"mode": key[1], **_fastest(runs)} for key, runs in rounds.items() if key[0] == "transformers"]
     for row in peers:
         _log(args, f"{model:14s} transformers {row['mode']:13s} batch=1  {row['tokens_per_s']:8.1f} tok/s")
-    ratios, ratio_range = _ratios(rounds, max(args.k), min(args.batch))
-    return {"runs": results, "transformers": peers, "ratios": ratios, "ratio_range": ratio_range}
+    ratios, ratio_range = _ratios(rounds, max(args.k), min(args.batch), args.graph_mode[0])
+    result = {"runs": results, "transformers": peers, "ratios": ratios, "ratio_range": ratio_range}
+    if {"compiled", "eager"} <= set(args.graph_mode):
+        result["compiled_vs_eager"], result["compiled_vs_eager_range"] = _compiled_vs_eager(rounds)
+        for name, ratio in result["compiled_vs_eager"].items():
+            _log(args, f"{model:14s} compiled/eager {name:24s} {ratio:6.3f}")
+    result["graph_runners"] = _graph_runners(engines)
+    for entry in result["graph_runners"]:
+        _log(args, f"{model:14s} graphs " + " ".join(f"{name}={value}" for name, value in entry.items()))
+    return result
+
+
+def _graph_runners(engines: dict[tuple, object]) -> list[dict]:
+    """What each engine with a graph runner reports of it: the mode it resolved to and `GRAPH_STATS`
+    (start-up compile/capture seconds, graph memory, eager fallbacks and replays so far), those it has
+    (an eager engine has no runner and reports nothing)."""
+    entries = []
+    for (draft, k, relaxed, mode), llm in engines.items():
+        runner = getattr(llm.engine, "runner", None)
+        stats = {name: _rounded(getattr(runner, name)) for name in GRAPH_STATS if hasattr(runner, name)}
+        if stats:
+            resolved = getattr(llm.engine, "graph_mode", mode)
+            entries.append(
+                {"draft": draft, "k": k, "relaxed": relaxed, "graph_mode": mode, "resolved": resolved, **stats}
+            )
+    return entries
+
+
+def _rounded(value):
+    return round(value, 3) if isinstance(value, float) else value
 
 
 def _interleaved_rounds(
-    cases: dict[tuple, tuple[Run, list[list[int]]]], args: argparse.Namespace
+    cases: dict[tuple, tuple[Run, list[list[int]]]], args: argparse.Namespace, model: str, bar: tqdm
 ) -> dict[tuple, list[dict]]:
     """Warm every case up, then `repeats` rounds; each case's totals per round.
 
     Within a round the cases take turns prompt group by prompt group, so a stretch of machine load
-    slows every case alike instead of one case's whole run.
+    slows every case alike instead of one case's whole run. `bar` counts the token budget
+    (max_tokens per prompt) of the warm-up, then restarts for the rounds: the warm-up's schema and
+    graph compilation would otherwise skew the rounds' estimate of the time left.
     """
-    for run, groups in cases.values():
+    prompts = sum(len(group) for _, groups in cases.values() for group in groups)
+    bar.reset(total=prompts * WARMUP_TOKENS)
+    for key, (run, groups) in cases.items():
+        bar.set_description(f"{model} {_label(key)} warm-up")
         for group in groups:
-            run(group, 4)  # warm-up; compiles (and caches) the schemas
+            run(group, WARMUP_TOKENS)  # compiles (and caches) the schemas, and the graphs in compiled mode
+            bar.update(len(group) * WARMUP_TOKENS)
     rounds: dict[tuple, list[dict]] = {key: [] for key in cases}
-    for _ in range(args.repeats):
+    bar.reset(total=prompts * args.repeats * args.max_tokens)
+    for r in range(args.repeats):
         totals: dict[tuple, dict] = {key: {} for key in cases}
         for g in range(max(len(groups) for _, groups in cases.values())):
             for key, (run, groups) in cases.items():
                 if g < len(groups):
+                    bar.set_description(f"{model} {_label(key)} round {r + 1}/{args.repeats}")
                     for name, value in run(groups[g], args.max_tokens).items():  # sums (token lists: joined)
                         totals[key][name] = totals[key][name] + value if name in totals[key] else value
+                    bar.update(len(groups[g]) * args.max_tokens)
         for key, total in totals.items():
             rounds[key].append(total)
     return rounds
@@ -306,22 +388,41 @@ def _measure_transformers(
     return {"seconds": time.perf_counter() - start, "generated": generated}
 
 
-def _ratios(rounds: dict[tuple, list[dict]], k: int, batch: int) -> tuple[dict, dict]:
-    """The headline ratios, greedy, for the largest k and the smallest batch measured (transformers
-    runs batch 1): each the median over rounds of the within-round ratio of tokens/s; and each
-    one's [min, max] over rounds."""
+def _ratios(rounds: dict[tuple, list[dict]], k: int, batch: int, mode: str) -> tuple[dict, dict]:
+    """The headline ratios, greedy, for the largest k, the smallest batch measured (transformers
+    runs batch 1) and graph mode `mode`: each the median over rounds of the within-round ratio of
+    tokens/s; and each one's [min, max] over rounds."""
 
     def ratio(numerator: tuple, denominator: tuple, rate: Callable[[dict], float] = _rate) -> list[float]:
         return sorted(rate(a) / rate(b) for a, b in zip(rounds[numerator], rounds[denominator]))
 
-    plain = "none", 0, False, False, batch
+    plain = "none", 0, False, False, batch, mode
     per_round = {"tandem_plain_vs_transformers_plain": ratio(plain, ("transformers", "plain"))}
     for draft in sorted({key[0] for key in rounds} - {"none", "transformers"}):
-        spec, spec_schema = (draft, k, False, False, batch), (draft, k, False, True, batch)
+        spec, spec_schema = (draft, k, False, False, batch, mode), (draft, k, False, True, batch, mode)
         if spec in rounds:
             per_round[f"{draft}_k{k}_vs_plain"] = ratio(spec, plain)
             per_round[f"{draft}_k{k}_decode_vs_plain"] = ratio(spec, plain, _decode_rate)
             if spec_schema in rounds:
                 per_round[f"{draft}_k{k}_schema_vs_unconstrained"] = ratio(spec_schema, spec)
+    return _medians(per_round)
+
+
+def _compiled_vs_eager(rounds: dict[tuple, list[dict]]) -> tuple[dict, dict]:
+    """Compiled over eager tokens/s for every greedy case measured in both modes, named
+    `<draft>_k<k>_batch<batch>[_schema]`: the median within-round ratio, and its [min, max]."""
+    per_round = {}
+    for key in rounds:
+        eager = (*key[:-1], "eager")
+        if key[0] != "transformers" and key[-1] == "compiled" and not key[2] and eager in rounds:
+            draft, k, _, constrained, batch, _ = key
+            per_round[f"{draft}_k{k}_batch{batch}{'_schema' if constrained else ''}"] = sorted(
+                _rate(a) / _rate(b) for a, b in zip(rounds[key], rounds[eager])
+            )
+    return _medians(per_round)
+
+
+def _medians(per_round: dict[str, list[float]]) -> tuple[dict, dict]:
+    """Each sorted list of per-round ratios as its median, and as its [min, max]."""
     ratios = {name: round(statistics.median(values), 3) for name, values in per_round.items()}
     return ratios, {name: [round(values[0], 3), round(values[-1], 3)] for name, values in per_round.items()}

@@ -26,7 +26,7 @@ import torch
 from tandem.assets import ASSETS_DIR
 from tandem.core.bitmask import bitmask_width
 from tandem.grammars.backends import BACKENDS, CompiledGrammar
-from tandem.grammars.compiler import GrammarCompiler
+from tandem.grammars.compiler import GrammarCompiler, lowered
 from tandem.grammars.errors import GrammarCompileTimeout, GrammarError, GrammarRefused
 from tandem.grammars.spec import GrammarSpec
 from tandem.grammars.support import ASSERTIONS, KEYWORD_TYPES, schema_assertions
@@ -57,6 +57,14 @@ def walk_instance(
     return matcher.is_terminated()
 
 
+SPLIT_COUNTS = ("schemas", "compiled", "valid", "valid_accepted", "invalid", "invalid_accepted")
+
+
+def split_name(path: Path) -> str:
+    """The MaskBench split a file belongs to: `Github_easy---o1.json` -> Github_easy, `BFCL_java_0.json` -> BFCL."""
+    return path.stem.split("---")[0] if "---" in path.stem else path.stem.split("_")[0]
+
+
 @dataclass
 class BackendReport:
     """Counts for one backend over a set of schemas."""
@@ -75,6 +83,13 @@ class BackendReport:
     refused_keywords: dict[str, int] = field(default_factory=dict)
     compile_seconds: list[float] = field(default_factory=list)
     mask_seconds: list[float] = field(default_factory=list)
+    splits: dict[str, dict[str, int]] = field(default_factory=dict)  # per split: schemas, compiled, valid...
+
+    def count(self, split: str, key: str, n: int = 1) -> None:
+        """Add `n` to `key` overall and in `split`'s counts."""
+        setattr(self, key, getattr(self, key) + n)
+        counts = self.splits.setdefault(split, dict.fromkeys(SPLIT_COUNTS, 0))
+        counts[key] += n
 
     def summary(self) -> dict[str, Any]:
         def pct(values: list[float], q: float, scale: float) -> float | None:
@@ -91,6 +106,7 @@ class BackendReport:
             "compile_ms_p50": pct(self.compile_seconds, 50, 1e3), "compile_ms_p99": pct(self.compile_seconds, 99, 1e3),
             "chosen": self.chosen, "top_refused_keywords": dict(top_refused),
             "wrongly_accepted_files": self.wrongly_accepted_files[:20],
+            "splits": dict(sorted(self.splits.items())),
         }  # fmt: skip
 
 
@@ -115,7 +131,8 @@ def evaluate_backend(
         except GrammarError as e:  # invalid schema: the spec itself refuses it
             jobs.append((path, case, e))
     for path, case, job in jobs:
-        report.schemas += 1
+        split = split_name(path)
+        report.count(split, "schemas")
         try:
             if isinstance(job, GrammarError):
                 raise job
@@ -132,7 +149,7 @@ def evaluate_backend(
         except GrammarError:
             report.failed += 1
             continue
-        report.compiled += 1
+        report.count(split, "compiled")
         report.compile_seconds.append(compiled.compile_seconds)
         report.chosen[compiled.backend] = report.chosen.get(compiled.backend, 0) + 1
         for test in case["tests"]:
@@ -143,14 +160,11 @@ def evaluate_backend(
                 buffer,
                 report.mask_seconds,
             )
-            if test["valid"]:
-                report.valid += 1
-                report.valid_accepted += accepted
-            else:
-                report.invalid += 1
-                report.invalid_accepted += accepted
-                if accepted and path.name not in report.wrongly_accepted_files:
-                    report.wrongly_accepted_files.append(path.name)
+            kind = "valid" if test["valid"] else "invalid"
+            report.count(split, kind)
+            report.count(split, f"{kind}_accepted", accepted)
+            if accepted and not test["valid"] and path.name not in report.wrongly_accepted_files:
+                report.wrongly_accepted_files.append(path.name)
     return report
 
 
@@ -193,23 +207,28 @@ def suite_cases(path: Path) -> Iterator[tuple[Any, list[dict]]]:
 def measure_suite(
     files: Iterable[Path], backend: str, tokenizer: GrammarTokenizer, compiler: GrammarCompiler
 ) -> dict[str, dict[str, int]]:
-    """Per keyword label: test schemas compiled / failed / timed out / with an invalid instance wrongly accepted.
+    """Per keyword label: test schemas compiled / failed / timed out / with an invalid instance
+    wrongly accepted (`unsound`) / with a valid instance rejected (`narrowed`).
 
     Each schema of a JSON-Schema-Test-Suite file (and its typed variant, see `suite_cases`) is
     compiled non-strict, so the backend shows what it really does, and every instance is walked
-    as in `evaluate_backend`. A wrong acceptance is blamed on the labels of the file's keyword in
-    that schema (`maxLength` or `maxLength@untyped`), unless the schema also holds a label of
-    another keyword that is itself blamed somewhere: that one explains it, and refusing it
-    refuses this schema too.
+    as in `evaluate_backend`; labels are read from the schema the backend is given (normalised
+    and rewritten, `compiler.lowered`). A wrong acceptance (a wrong rejection) is blamed on the
+    labels of the file's keyword in that schema (`maxLength` or `maxLength@untyped`), unless the
+    schema also holds a label of another keyword that is itself blamed somewhere: that one
+    explains it, and refusing it refuses this schema too.
     """
     buffer = torch.zeros(1, bitmask_width(tokenizer.vocab_size), dtype=torch.int32)
-    cases = []  # (labels of the file's keyword, all labels, outcome)
+    cases = []  # (labels of the file's keyword, all labels, outcome, narrowed)
     for path in files:
         measured = suite_labels(path)
         for schema, tests in suite_cases(path):
             labels = {label for _, label in schema_assertions(schema)}
+            narrowed = False
             try:
-                compiled = compiler.compile(GrammarSpec.json_schema(schema, strict=False), tokenizer, backend)
+                spec = GrammarSpec.json_schema(schema, strict=False)
+                labels = {label for _, label in schema_assertions(lowered(spec, backend).schema)}
+                compiled = compiler.compile(spec, tokenizer, backend)
                 outcome = "compiled"
                 for test in tests:
                     walked = walk_instance(
@@ -217,6 +236,7 @@ def measure_suite(
                     )
                     if walked and not test["valid"]:
                         outcome = "unsound"
+                    narrowed |= test["valid"] and not walked
             except GrammarCompileTimeout:
                 outcome = "timed_out"
             except GrammarError:
@@ -224,15 +244,20 @@ def measure_suite(
             own = {
                 label for label in labels if {label.split("@")[0], label.split("@")[0].split(":")[0]} & set(measured)
             }
-            cases.append((own, labels, outcome))
-    blamed = {label for own, _, outcome in cases if outcome == "unsound" for label in own}
+            cases.append((own, labels, outcome, narrowed))
+    blamed = {label for own, _, outcome, _ in cases if outcome == "unsound" for label in own}
+    blamed_narrowing = {label for own, _, _, narrowed in cases if narrowed for label in own}
     results: dict[str, dict[str, int]] = {}
-    for own, labels, outcome in cases:
+    for own, labels, outcome, narrowed in cases:
         explained = outcome == "unsound" and bool((labels - own) & blamed)
+        narrowing_explained = narrowed and bool((labels - own) & blamed_narrowing)
         for label in own:
-            counts = results.setdefault(label, {"compiled": 0, "failed": 0, "timed_out": 0, "unsound": 0})
+            counts = results.setdefault(
+                label, dict.fromkeys(("compiled", "failed", "timed_out", "unsound", "narrowed"), 0)
+            )
             counts["compiled" if outcome == "unsound" else outcome] += 1
             counts["unsound"] += outcome == "unsound" and not explained
+            counts["narrowed"] += narrowed and not narrowing_explained
     return results
 
 
@@ -242,6 +267,11 @@ def honoured_labels(measured: dict[str, dict[str, int]]) -> list[str]:
     A label with a schema that timed out is not honoured: what it would have done is unknown.
     """
     return sorted(label for label, c in measured.items() if not c["unsound"] and not c["timed_out"])
+
+
+def narrowed_labels(measured: dict[str, dict[str, int]]) -> list[str]:
+    """Labels with a valid instance rejected: the backend enforces more than the keyword says."""
+    return sorted(label for label, c in measured.items() if c["narrowed"])
 
 
 def select_files(directory: Path, limit: int | None, sample: bool, seed: int) -> list[Path]:
@@ -286,7 +316,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--measure-keywords", action="store_true",
         help="DIR is JSON-Schema-Test-Suite's draft2020-12 folder: "
-        "print each backend's honoured keyword labels (support.HONOURED)",
+        "print the keyword labels each backend narrows (support.NARROWED), then on the last line those it honours "
+        "(support.HONOURED)",
     )  # fmt: skip
 
 
@@ -299,12 +330,12 @@ def suite_files(directory: Path) -> list[Path]:
 def run_keyword_measurement(args: argparse.Namespace, tokenizer: GrammarTokenizer) -> int:
     backends = sorted(BACKENDS) if args.backend in ("all", "auto") else [args.backend]
     compiler = GrammarCompiler(max_workers=args.workers, timeout_s=args.timeout)
-    table = {
-        backend: honoured_labels(measure_suite(suite_files(args.directory), backend, tokenizer, compiler))
-        for backend in backends
+    measured = {
+        backend: measure_suite(suite_files(args.directory), backend, tokenizer, compiler) for backend in backends
     }
     compiler.shutdown()
-    print(json.dumps(table))
+    print(json.dumps({"narrowed": {backend: narrowed_labels(m) for backend, m in measured.items()}}))
+    print(json.dumps({backend: honoured_labels(m) for backend, m in measured.items()}))  # the last line
     return 0
 
 

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     schema = _read_schema(args.schema) if args.schema else None
     draft = {"auto": best_draft(resolve_model(args.model)), "none": None}.get(args.draft, args.draft)
-    llm = LLM(args.model, draft, num_speculative_tokens=args.num_speculative_tokens)
+    llm = LLM(args.model, draft, num_speculative_tokens=args.num_speculative_tokens, graph_mode=args.graph_mode)
     params = SamplingParams(
         temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens, json_schema=schema
     )

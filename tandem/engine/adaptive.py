@@ -31,6 +31,15 @@ depend on k, so only they adapt.
 
 Only host numbers enter (the acceptance counts the commit already read, and timings): choosing costs no
 device read, only Python ints and floats, O(B * k_max log(B * k_max)).
+
+Grammar-forced drafts. A position where a row's grammar allows one token is accepted with certainty once
+reached. After the drafts chosen above, a row may verify the run of forced tokens that follows them:
+every token of that run gains the probability of reaching it, the product of the factors of the drafts
+before it (1 for a forced one, else ``a``), and costs one verified token; the run's outcome does not
+enter the row's estimate (forced positions among the chosen drafts do: ``a`` predicts windows that hold
+the same mix). `forced_extension` adds the runs, highest reach
+first, while they raise the step's expected tokens per second; sampled rows take theirs always (their
+drafts may not depend on timings, see above).
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import math
+import operator
 from dataclasses import dataclass, field
 
 
@@ -116,6 +127,28 @@ def choose_drafts(
     return counts
 
 
+def forced_extension(
+    probs: list[list[float]], runs: list[int], cost: CostModel, draft_cost: float, pinned: list[bool]
+) -> list[bool]:
+    """Which rows verify their forced run after their drafts (the module's rule).
+
+    probs: each row's acceptance probability per chosen draft (1.0 where forced); runs: the forced tokens
+    that could follow them; draft_cost: seconds of this step's proposal (0 when none runs); pinned rows
+    verify their run whatever it costs."""
+    reach = [math.prod(p) for p in probs]
+    gained = sum(1.0 + sum(itertools.accumulate(p, operator.mul)) for p in probs)
+    tokens = sum(len(p) + 1 for p in probs)
+    include = [pin and run > 0 for pin, run in zip(pinned, runs)]
+    for b in range(len(probs)):
+        if include[b]:
+            gained, tokens = gained + runs[b] * reach[b], tokens + runs[b]
+    for b in sorted((b for b in range(len(probs)) if runs[b] > 0 and not pinned[b]), key=lambda b: -reach[b]):
+        more, wider = gained + runs[b] * reach[b], tokens + runs[b]
+        if more / (cost(wider) + draft_cost) > gained / (cost(tokens) + draft_cost):
+            include[b], gained, tokens = True, more, wider
+    return include
+
+
 @dataclass
 class RowEstimate:
     accepted: float = 0.0  # discounted accepted positions
@@ -170,6 +203,14 @@ class AdaptivePolicy:
         self.draft_timings += 1
         first = self.draft_timings <= 2
         self.draft_cost = seconds if first else 0.8 * self.draft_cost + 0.2 * seconds
+
+    def forced_runs(
+        self, request_ids: list[str], forced: list[list[bool]], runs: list[int], pinned: list[bool], draft_cost: float
+    ) -> list[bool]:
+        """Whether each row verifies its forced run of `runs[b]` tokens after its drafts (`forced[b]`: which of
+        them are forced), by `forced_extension`."""
+        probs = [[1.0 if f else self.rate(r) for f in row] for r, row in zip(request_ids, forced)]
+        return forced_extension(probs, runs, self.cost, draft_cost, pinned)
 
     def forget(self, request_id: str) -> None:
         self.rows.pop(request_id, None)

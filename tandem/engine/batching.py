@@ -16,10 +16,26 @@ from tandem.models.base import ForwardBatch, RowSpans
 
 
 def padded_drafts(rows: list[Request], k: int) -> torch.Tensor:
-    """The rows' pending drafts as ``[B, k]`` int64 on the host; a row with fewer pads them with
-    PLACEHOLDER_TOKEN_ID (a plain step past its drafts)."""
-    padded = [t for r in rows for t in [*r.drafts, *[PLACEHOLDER_TOKEN_ID] * (k - len(r.drafts))]]
-    return int64_tensor(padded).view(len(rows), k)
+    """The rows' pending drafts as ``[B, w]`` int64 on the host, ``w = max(k, longest row's drafts)`` (grammar-
+    forced drafts may go past k); a row with fewer pads them with PLACEHOLDER_TOKEN_ID (a plain step past its
+    drafts)."""
+    width = max([k, *(len(r.drafts) for r in rows)])
+    padded = [t for r in rows for t in [*r.drafts, *[PLACEHOLDER_TOKEN_ID] * (width - len(r.drafts))]]
+    return int64_tensor(padded).view(len(rows), width)
+
+
+def forced_draft_probs(probs: torch.Tensor | None, drafts: list[int], forced: list[bool]) -> torch.Tensor | None:
+    """A row's draft distributions ``[len(drafts), V]`` from the proposal's ``probs [k, V]`` (None: deterministic),
+    where its forced drafts (``forced``: per draft) are one-hot: the grammar allowed nothing else, and a
+    forced draft may replace the proposal's token or follow past its end."""
+    if probs is None:
+        return None
+    out = probs.new_zeros(len(drafts), probs.shape[-1])
+    out[: min(len(drafts), len(probs))] = probs[: len(drafts)]
+    for i, (token, certain) in enumerate(zip(drafts, forced)):
+        if certain:
+            out[i].zero_()[token] = 1.0
+    return out
 
 
 def verify_batch(rows: list[Request], k: int, device: torch.device) -> ForwardBatch:

@@ -68,15 +68,17 @@ from tandem.decoding.params import RelaxedAcceptance, SamplingParams
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID, sample
 from tandem.engine import sampling
 from tandem.engine.adaptive import AdaptivePolicy, CostModel
-from tandem.engine.batching import draft_batch, padded_drafts, verify_batch
+from tandem.engine.batching import draft_batch, forced_draft_probs, padded_drafts, verify_batch
+from tandem.engine.graphs import GraphRunner, resolve_capture_sizes, resolve_graph_mode
 from tandem.engine.mask_pipeline import MaskPipeline
 from tandem.engine.masks import StepMasks
 from tandem.engine.output import RequestOutput, StreamDelta, TextAssembler, stream_delta
 from tandem.engine.request import Request, grammar_spec, thinking_markers, thinking_tracker, validate
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.stop import draft_budget, eos_ids, finish_reason, kept_tokens
+from tandem.grammars.closing import Closer
 from tandem.grammars.compiler import CompileJob, GrammarCompiler
-from tandem.grammars.masks import SpeculativeMasker
+from tandem.grammars.masks import MaskWalk, SpeculativeMasker
 from tandem.grammars.tokenizer import GrammarTokenizer
 from tandem.models.base import DraftInput, ForwardBatch, RowSpans
 
@@ -93,6 +95,11 @@ class EngineConfig:
     grammar_timeout_s: float = 30.0  # a grammar still compiling after this fails its request
     small_step_threads: int | None = 1  # CPU torch threads for steps of few tokens (None: torch's setting)
     adaptive: bool = True  # drafts per row chosen each step (engine/adaptive.py); False: always k
+    forced_drafts: bool = True  # grammar-forced tokens drafted from the grammar (needs a draft; see _propose)
+    max_forced_drafts: int = 8  # forced drafts a row may verify beyond its k model drafts
+    closing_window: int = 64  # a grammar row this near max_tokens gets closing masks (0: never)
+    graph_mode: str = "auto"  # eager | compiled | auto (engine/graphs.py)
+    capture_sizes: tuple[int, ...] | None = None  # batch buckets graphs are built for (None: 1, 2, 4, .. max_num_seqs)
 
 
 class Engine:
@@ -104,24 +111,44 @@ class Engine:
     def __init__(self, target, draft, tokenizer, config: EngineConfig) -> None:
         self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
         self.k = config.num_speculative_tokens if draft is not None else 0
+        self.forced_drafts = config.forced_drafts and draft is not None
+        self.max_drafts = self.k + (config.max_forced_drafts if self.forced_drafts else 0)  # the widest verify - 1
         self.grammar_tokenizer = GrammarTokenizer(tokenizer, target.vocab_size)
         self.compiler = GrammarCompiler(timeout_s=config.grammar_timeout_s)
         self._eos = eos_ids(tokenizer)
         self._markers = thinking_markers(tokenizer)
-        self.masker = SpeculativeMasker(target.vocab_size, len(tokenizer), end_token_ids=sorted(self._eos))
+        closer = (
+            Closer.for_tokenizer(tokenizer, target.vocab_size, sorted(self._eos), window=config.closing_window)
+            if config.closing_window > 0
+            else None
+        )  # answers that close within max_tokens (grammars/closing.py)
+        self.masker = SpeculativeMasker(
+            target.vocab_size, len(tokenizer), end_token_ids=sorted(self._eos), closer=closer
+        )
         self.device = next(iter(target.parameters())).device if hasattr(target, "parameters") else torch.device("cpu")
-        self.mask_pipeline = MaskPipeline(self.masker, config.max_num_seqs, self.k, self.device)
+        self.mask_pipeline = MaskPipeline(self.masker, config.max_num_seqs, self.max_drafts, self.device)
         self.step_masks = StepMasks(
             self.masker,
             self.mask_pipeline,
-            k=self.k,
+            k=self.max_drafts,
+            detect_forced=self.forced_drafts,
             max_rows=config.max_num_seqs,
             relaxed=config.relaxed is not None,
             thinking_markers=self._markers is not None,
             device=self.device,
         )
-        self.target_cache = target.new_cache(config.max_num_seqs, config.max_model_len)
-        self.draft_cache = draft.new_cache(config.max_num_seqs, config.max_model_len) if draft is not None else None
+        # Graph mode pads batches with rows that read and write a scratch slot past the rows' (engine/graphs.py).
+        self.graph_mode = resolve_graph_mode(config.graph_mode, self.device)
+        capture_sizes = resolve_capture_sizes(config.capture_sizes, config.max_num_seqs)
+        num_slots = config.max_num_seqs + (GraphRunner.SCRATCH_SLOTS if self.graph_mode == "compiled" else 0)
+        self.target_cache = target.new_cache(num_slots, config.max_model_len)
+        self.draft_cache = draft.new_cache(num_slots, config.max_model_len) if draft is not None else None
+        self.runner = None
+        if self.graph_mode == "compiled":
+            widths = {1, self.k + 1, self.max_drafts + 1}  # decode; verify and a draft's first pass; forced runs
+            self.runner = GraphRunner(
+                target, self.target_cache, draft, self.draft_cache, widths=widths, capture_sizes=capture_sizes
+            )
         self.scheduler = Scheduler(config.max_num_seqs, self.masker, self.target_cache, self._markers)
         self._ids = itertools.count()
         # A model whose embedding rows are padded past the tokenizer: ids >= vocab_limit are never emitted
@@ -201,9 +228,10 @@ class Engine:
         return self.policy is not None and self.config.adaptive
 
     def _step_k(self, rows: list[Request]) -> int:
-        """The step's draft positions per row: k, or with adaptive speculation the most any row keeps
-        (0: the plain step)."""
-        return max(len(r.drafts) for r in rows) if self._adaptive() else self.k
+        """The step's draft positions per row: the most any row keeps, at least k without adaptive speculation
+        (with it, 0 is the plain step)."""
+        longest = max((len(r.drafts) for r in rows), default=0)
+        return longest if self._adaptive() else max(longest, self.k)
 
     def _mask_padding(self, logits: torch.Tensor, *_) -> torch.Tensor:
         """`logits [..., V]` with the ids past the tokenizer at -inf, in place (nothing when V fits it)."""
@@ -216,7 +244,8 @@ class Engine:
         in the free KV slots: decode-shaped (1 token per row) and verify-shaped (k + 1 per row), for one
         row and for as many rows as a small step holds (at most `max_num_seqs`; `CostModel` extrapolates
         past them), each the fastest of two runs after a warm-up. Runs once, before any request holds
-        a slot."""
+        a slot. In graph mode the forwards go through the runner: the cost model reads the graphs' times,
+        and the warm-up builds those shapes' graphs at start rather than at the first requests."""
         prefix, k = 8, self.k
         rows = max(1, min(self.config.max_num_seqs, SMALL_STEP_TOKENS // (k + 1)))
         if prefix + k + 1 > self.config.max_model_len:
@@ -231,7 +260,7 @@ class Engine:
                 int64_tensor([token] * n, self.device), spans, logits_indices=int64_tensor(list(range(n)), self.device)
             )
             with torch_threads(self._threads_for(batch)):
-                logits = self.target.forward(batch, self.target_cache).logits.view(num_rows, per_row, -1)
+                logits = self._forward(batch).logits.view(num_rows, per_row, -1)
                 if per_row == 1:
                     sample(logits[:, 0])
                 else:
@@ -258,6 +287,11 @@ class Engine:
         tokens = sorted(points)
         return CostModel(tokens, [points[t] for t in tokens])
 
+    def _forward(self, batch: ForwardBatch, *, return_hidden: bool = False, return_aux: bool = False):
+        """The target's forward of `batch` into its cache: through the graph runner in graph mode."""
+        model = self.target if self.runner is None else self.runner
+        return model.forward(batch, self.target_cache, return_hidden=return_hidden, return_aux=return_aux)
+
     def _threads_for(self, batch: ForwardBatch) -> int | None:
         """The torch threads a step over `batch` runs with (None: torch's setting)."""
         if self.device.type == "cpu" and batch.num_tokens <= SMALL_STEP_TOKENS:
@@ -267,12 +301,11 @@ class Engine:
     def _run_step(self, rows: list[Request], batch: ForwardBatch, k: int) -> list[StreamDelta]:
         """Steps 2-6 of the module docstring over `rows`, merged into `batch` with k positions per row."""
         prefill = any(r.is_new for r in rows)  # a prefill's time says nothing of a verify's
-        all_drafts = padded_drafts(rows, self.k)  # [B, k] host: the masks cover k whatever this step verifies
+        all_drafts = padded_drafts(rows, self.k)  # [B, >= k] host: the masks cover k whatever this step verifies
         pending_masks = self.step_masks.submit(rows, all_drafts)
         want_hidden = self.draft is not None and self.draft.hidden_kind is not None
-        out = self.target.forward(
+        out = self._forward(
             batch,
-            self.target_cache,
             return_hidden=want_hidden and self.draft.hidden_kind == "last",
             return_aux=want_hidden and self.draft.hidden_kind == "aux",
         )
@@ -327,9 +360,10 @@ class Engine:
             stats.steps += 1
             stats.drafted += len(r.drafts)
             stats.accepted += min(num_accepted, len(emitted))
-            if self.policy is not None:
-                self.policy.observe(r.request_id, len(r.drafts), min(num_accepted, len(r.drafts)))
-            r.drafts, r.draft_probs, r.walked_masks = [], None, None
+            if self.policy is not None:  # the chosen drafts: a forced run after them is accepted surely once reached
+                chosen = len(r.drafts) - r.forced_run
+                self.policy.observe(r.request_id, chosen, min(num_accepted, chosen))
+            r.drafts, r.draft_probs, r.walked_masks, r.draft_forced, r.forced_run = [], None, None, [], 0
             self.target_cache.truncate([r.slot], [len(r.tokens) - 1])
             reason = finish_reason(
                 r,
@@ -345,20 +379,54 @@ class Engine:
             )
             deltas.append(stream_delta(r.output, r.text, emitted, logprobs, reason))
             if reason is not None:
+                if hasattr(self.draft, "release"):  # a draft that keeps finished rows (the suffix store)
+                    self.draft.release(r.slot, r.tokens)
                 self.scheduler.finish(r, reason)
                 if self.policy is not None:
                     self.policy.forget(r.request_id)
         return deltas
 
     def _propose(self, live: list[Request], rows: list[Request], out, batch: ForwardBatch) -> None:
-        """Step 6: give each live row's newly committed tokens and their hidden states to the draft."""
+        """Step 6: give each live row's newly committed tokens and their hidden states to the draft; a row's
+        drafts are then its chosen prefix of the proposal and, where its grammar forces them, the forced
+        tokens that follow (`_choose_drafts`)."""
         if not live:
             return
         keep = None
         if self._adaptive():
             keep = self.policy.choose([r.request_id for r in live], [r.params.temperature > 0 for r in live])
-        if keep is not None and not any(keep) and self._draft_skippable:
+        run_draft = not (keep is not None and not any(keep) and self._draft_skippable)
+        forcing = self.forced_drafts and self.step_masks.has_grammar(live)
+        if not run_draft and not forcing:
             return  # no row drafts and the draft keeps no state: the next step is the plain step
+        budgets = [draft_budget(r, self.max_drafts, self.config.max_model_len) for r in live]
+        limits = [min(budget, self.k if keep is None else keep[b]) for b, budget in enumerate(budgets)]
+        follows = self.draft.follows_constraint
+        walk = self.step_masks.walk(live) if follows or forcing else None
+        proposed, probs = [[] for _ in live], None
+        try:
+            if run_draft:
+                proposed, probs = self._draft_proposal(live, rows, out, batch, walk if follows else None, keep)
+            if forcing and follows and run_draft:  # the draft walked its k tokens: go on with forced ones
+                walk.extend_forced([min(m, n) for m, n in zip(limits, walk.lengths)], budgets)
+            elif forcing:
+                walk.advance_proposals(proposed, limits, budgets)
+        finally:
+            if walk is not None:
+                walk.finish()
+        self._choose_drafts(live, proposed, probs, limits, budgets, walk, forcing, run_draft)
+
+    def _draft_proposal(
+        self,
+        live: list[Request],
+        rows: list[Request],
+        out,
+        batch: ForwardBatch,
+        walk: MaskWalk | None,
+        keep: list[int] | None,
+    ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """The draft's proposal for the live rows under `walk` (None: free): tokens [B][k] (read to the host)
+        and probs [B, k, V] (None: deterministic)."""
         started = time.perf_counter()
         hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
         draft_ids, hidden, histories = draft_batch(live, rows, batch, hidden_all, self.device)
@@ -369,33 +437,69 @@ class Engine:
         adjust = None if adjustments is None else adjustments.apply_after
         if follows and self.vocab_limit < self.target.vocab_size:  # never draft a padded id
             adjust = self._mask_padding if adjustments is None else self._padded_adjust(adjustments.apply_after)
-        walk = self.step_masks.walk(live) if follows else None
-        try:
-            proposal = self.draft.propose(
-                DraftInput(
-                    draft_ids,
-                    hidden,
-                    histories,
-                    constraint=walk,
-                    adjust=adjust,
-                ),
-                self.draft_cache,
-                self.k,
-            )
-        finally:
-            if walk is not None:
-                walk.finish()
+        proposal = self.draft.propose(
+            DraftInput(
+                draft_ids,
+                hidden,
+                histories,
+                constraint=walk,
+                adjust=adjust,
+                step=None if self.runner is None else self.runner.draft_step,
+            ),
+            self.draft_cache,
+            self.k,
+        )
         proposed = proposal.tokens.tolist()  # one read of the device for every row
         if keep is not None:
             self.policy.observe_draft_time(time.perf_counter() - started)
+        return proposed, proposal.probs
+
+    def _choose_drafts(
+        self,
+        live: list[Request],
+        proposed: list[list[int]],
+        probs: torch.Tensor | None,
+        limits: list[int],
+        budgets: list[int],
+        walk: MaskWalk | None,
+        forcing: bool,
+        drafted: bool,
+    ) -> None:
+        """Each live row's drafts: its proposal up to `limits[b]`, or, with forced drafting (`forcing`: the walk
+        went on with forced tokens), that prefix of the walk's path and the run of forced tokens after it, up to
+        `budgets[b]`, where adaptive speculation finds that the run pays (always otherwise). `drafted`: whether
+        the draft ran this step."""
+        prefixes, runs = [], []
+        for b in range(len(live)):
+            if forcing:
+                prefixes.append(min(limits[b], walk.lengths[b]))
+                runs.append(min(walk.forced_run(b, prefixes[b]), min(walk.lengths[b], budgets[b]) - prefixes[b]))
+            else:
+                prefix = proposed[b][: limits[b]]
+                if PLACEHOLDER_TOKEN_ID in prefix:  # a draft with fewer proposals (n-gram miss)
+                    prefix = prefix[: prefix.index(PLACEHOLDER_TOKEN_ID)]
+                prefixes.append(len(prefix))
+                runs.append(0)
+
+        def certain(b: int, n: int) -> list[bool]:  # which of row b's first n drafts are forced
+            return [forcing and walk.forced[b][i] >= 0 for i in range(n)]
+
+        verify_runs = [run > 0 for run in runs]
+        if self._adaptive() and any(verify_runs):
+            verify_runs = self.policy.forced_runs(
+                [r.request_id for r in live],
+                [certain(b, n) for b, n in enumerate(prefixes)],
+                runs,
+                [r.params.temperature > 0 for r in live],
+                self.policy.draft_cost if drafted else 0.0,
+            )
         for b, r in enumerate(live):
-            budget = draft_budget(r, self.k, self.config.max_model_len)
-            drafts = proposed[b][: budget if keep is None else min(budget, keep[b])]
-            if PLACEHOLDER_TOKEN_ID in drafts:  # a draft with fewer proposals (n-gram miss)
-                drafts = drafts[: drafts.index(PLACEHOLDER_TOKEN_ID)]
-            r.drafts = drafts
-            r.draft_probs = None if proposal.probs is None else proposal.probs[b, : len(drafts)]
-            r.walked_masks = self.step_masks.walked(walk, b, len(drafts))
+            r.forced_run = runs[b] if verify_runs[b] else 0
+            n = prefixes[b] + r.forced_run
+            r.drafts = walk.path(b)[:n] if forcing else proposed[b][:n]
+            r.draft_forced = certain(b, n)
+            r.draft_probs = forced_draft_probs(None if probs is None else probs[b], r.drafts, r.draft_forced)
+            r.walked_masks = self.step_masks.walked(walk, b, n)
 
     def _padded_adjust(self, apply_after):
         """The rows' adjustments, then the padded ids masked."""

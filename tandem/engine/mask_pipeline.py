@@ -14,6 +14,7 @@ On CPU the same path runs with the thread and no copy: consumers read the host b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
@@ -44,17 +45,16 @@ class CudaCopier:
 
     def __init__(self, device: torch.device, shape: tuple[int, int, int]):
         self.stream = torch.cuda.Stream(device)
-        self._bitmask = [torch.empty(shape, dtype=torch.int32, device=device) for _ in range(2)]
-        self._thinking = [torch.empty(shape[:2], dtype=torch.bool, device=device) for _ in range(2)]
+        self._bitmask = [torch.empty(math.prod(shape), dtype=torch.int32, device=device) for _ in range(2)]
+        self._thinking = [torch.empty(math.prod(shape[:2]), dtype=torch.bool, device=device) for _ in range(2)]
         self._consumed: list[torch.cuda.Event | None] = [None, None]
 
     def copy(self, slot, bitmask, in_thinking):
-        batch = bitmask.shape[0]
         with torch.cuda.stream(self.stream):
             if self._consumed[slot] is not None:  # the consumer is done with this device buffer
                 self.stream.wait_event(self._consumed[slot])
-            device_bitmask = self._bitmask[slot][:batch]
-            device_thinking = self._thinking[slot][:batch]
+            device_bitmask = self._bitmask[slot][: bitmask.numel()].view(bitmask.shape)
+            device_thinking = self._thinking[slot][: in_thinking.numel()].view(in_thinking.shape)
             device_bitmask.copy_(bitmask, non_blocking=True)
             device_thinking.copy_(in_thinking, non_blocking=True)
             done = torch.cuda.Event()
@@ -124,27 +124,32 @@ class MaskPipeline:
         self.device = torch.device(device)
         shape = (max_batch, k + 1, masker.width)
         pin = self.device.type == "cuda"
-        self._bitmask = [torch.zeros(shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._thinking = [torch.zeros(shape[:2], dtype=torch.bool, pin_memory=pin) for _ in range(2)]
+        # Flat, so that a step with fewer than k drafts per row gets contiguous [B, width + 1, W] views.
+        self._bitmask = [torch.zeros(math.prod(shape), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._thinking = [torch.zeros(math.prod(shape[:2]), dtype=torch.bool, pin_memory=pin) for _ in range(2)]
         self._copier = copier if copier is not None else (CudaCopier(self.device, shape) if pin else None)
         self._in_flight: list[CopyTicket | None] = [None, None]  # last copy out of each host buffer
         self._slot = 0
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
-    def submit(self, row_ids: Sequence[Hashable], drafts: torch.Tensor) -> MaskHandle:
-        """Start filling masks for `row_ids` with drafts [B, k] int64 CPU; returns at once.
+    def submit(
+        self, row_ids: Sequence[Hashable], drafts: torch.Tensor, remaining: Sequence[int | None] | None = None
+    ) -> MaskHandle:
+        """Start filling masks for `row_ids` with drafts [B, w] int64 CPU (w <= k) and the rows' remaining
+        budgets (closing masks, `SpeculativeMasker.fill`); returns at once.
 
         The masker must not be committed to until this step's `wait()` returned.
         """
         slot, self._slot = self._slot, 1 - self._slot
-        return MaskHandle(self._worker.submit(self._fill, slot, list(row_ids), drafts))
+        return MaskHandle(self._worker.submit(self._fill, slot, list(row_ids), drafts, remaining))
 
-    def _fill(self, slot: int, row_ids: list, drafts: torch.Tensor):
+    def _fill(self, slot: int, row_ids: list, drafts: torch.Tensor, remaining: Sequence[int | None] | None):
         if self._in_flight[slot] is not None:  # never overwrite a buffer a copy still reads
             self._in_flight[slot].synchronize()
-        batch = len(row_ids)
-        bitmask, in_thinking = self._bitmask[slot][:batch], self._thinking[slot][:batch]
-        allows_nothing = self.masker.fill(row_ids, drafts, bitmask, in_thinking)
+        batch, positions = len(row_ids), drafts.shape[1] + 1
+        bitmask = self._bitmask[slot][: batch * positions * self.masker.width].view(batch, positions, -1)
+        in_thinking = self._thinking[slot][: batch * positions].view(batch, positions)
+        allows_nothing = self.masker.fill(row_ids, drafts, bitmask, in_thinking, remaining)
         if self._copier is None:
             return bitmask, in_thinking, allows_nothing, None
         bitmask, in_thinking, ticket = self._copier.copy(slot, bitmask, in_thinking)

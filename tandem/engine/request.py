@@ -31,6 +31,8 @@ class Request:
     tokens: list[int] = field(default_factory=list)  # prompt + committed output
     drafts: list[int] = field(default_factory=list)  # pending drafts for the next verify
     draft_probs: torch.Tensor | None = None  # [len(drafts), V] or None (deterministic)
+    draft_forced: list[bool] = field(default_factory=list)  # per draft: forced by the grammar (accepted surely)
+    forced_run: int = 0  # the last drafts: the forced run verified past the chosen ones
     # The drafts' verify masks from the draft's grammar walk: (bitmask [k+1, W], in_thinking [k+1])
     walked_masks: tuple[torch.Tensor, torch.Tensor] | None = None
     slot: int = -1  # its KV-cache slot while it runs; -1 while it waits or once it finished

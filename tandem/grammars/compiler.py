@@ -16,16 +16,19 @@ from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
 
 from tandem.grammars.backends import BACKENDS, CompiledGrammar
 from tandem.grammars.errors import GrammarCompileError, GrammarCompileTimeout, GrammarRefused
+from tandem.grammars.lowering import lower_source
 from tandem.grammars.spec import GrammarSpec
-from tandem.grammars.support import unhonoured
+from tandem.grammars.support import native_formats, unhonoured
 from tandem.grammars.tokenizer import GrammarTokenizer
 
-# backend="auto" tries these in order and takes the first that honours the spec and compiles.
-# Measured with `tandem eval-schemas MASKBENCH_DIR --limit 300 --sample` (seed 0, the shipped
-# tokenizer): llguidance compiles the most schemas soundly, accepts every valid instance (xgrammar
-# forces declared property order) and compiles much faster; xgrammar's masks are faster and it
-# takes schemas llguidance rejects; outlines-core honours the fewest keywords and its DFA
-# compilation can run for minutes, so it comes last.
+# backend="auto" takes the first of AUTO_ORDER that honours the spec. Measured with
+# `tandem eval-schemas MASKBENCH_DIR` (the shipped tokenizer): llguidance compiles the most schemas
+# soundly and compiles much faster; xgrammar's masks are the fastest, but it honours no keyword that
+# llguidance does not, rejects valid instances where llguidance does not (support.NARROWED), and its
+# masks allow every tokenization of a key or constant where llguidance's keep the tokenizer's own:
+# on the demo models those other splits lead answers astray (tests/engine/test_llm.py and
+# test_json_whitespace.py ran to max_tokens when auto preferred xgrammar). outlines-core honours the
+# fewest keywords and its DFA compilation can run for minutes, so it comes last.
 AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
 
 
@@ -46,14 +49,28 @@ def compile_grammar(spec: GrammarSpec, tokenizer: GrammarTokenizer, backend: str
         raise GrammarCompileError(
             f"backend {backend!r} does not compile {spec.kind} grammars (it takes {sorted(module.KINDS)})"
         )
-    if spec.strict and (missing := unhonoured(spec, backend)):
+    target = lowered(spec, backend)
+    if spec.strict and (missing := unhonoured(target, backend)):
         raise GrammarRefused(backend, missing)
     start = time.perf_counter()
     try:
-        new_matcher = module.compile(spec, tokenizer)
+        new_matcher = module.compile(target, tokenizer)
     except Exception as e:  # each library raises its own types; normalise to one error
         raise GrammarCompileError(f"{backend}: {str(e).strip() or type(e).__name__}") from e
     return CompiledGrammar(spec, backend, new_matcher, time.perf_counter() - start)
+
+
+def lowered(spec: GrammarSpec, backend: str) -> GrammarSpec:
+    """The spec `backend` compiles and the support check reads: a JSON schema in its 2020-12 form
+    (`normalize.py`) with `lowering.py`'s exact rewrites (formats the backend lacks as patterns);
+    other kinds as they are. Raises GrammarRefused for a `$ref` that leaves the schema (no backend
+    can follow it, strict or not)."""
+    if spec.kind != "json_schema":
+        return spec
+    source, problems = lower_source(spec.source, native_formats(backend))
+    if problems:
+        raise GrammarRefused(backend, list(problems))
+    return dataclasses.replace(spec, source=source)
 
 
 def _compile_auto(spec: GrammarSpec, tokenizer: GrammarTokenizer) -> CompiledGrammar:
@@ -182,4 +199,4 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["AUTO_ORDER", "CompileJob", "GrammarCompiler", "compile_grammar"]
+__all__ = ["AUTO_ORDER", "CompileJob", "GrammarCompiler", "compile_grammar", "lowered"]

@@ -3,7 +3,9 @@
 Kinds: `json_schema` (dict, JSON text or pydantic model class), `regex`, `lark` (llguidance's Lark
 dialect), `ebnf` (GBNF, xgrammar's dialect) and `choice` (one of a list of literal strings, compiled
 as an escaped regex alternation). `strict=True` (default) refuses a backend that would silently
-ignore part of a JSON schema; `strict=False` accepts its approximation.
+ignore part of a JSON schema; `strict=False` accepts its approximation. A JSON schema may be written
+in any draft from 4 to 2020-12 (its `$schema`, or inferred: `normalize.schema_validator`) and is
+checked against that draft's metaschema; the compiler rewrites it to 2020-12 (`normalize.py`).
 
 JSON grammars bound the whitespace between JSON tokens (`whitespace`, see `tandem.core.checks.JsonWhitespace`): an
 unbounded run is a way for a model to never close its answer.
@@ -25,6 +27,7 @@ import xgrammar
 
 from tandem.core.checks import JSON_WHITESPACE_RULE, JsonWhitespace, is_json_whitespace
 from tandem.grammars.errors import InvalidGrammarSpec
+from tandem.grammars.normalize import json_pointer, schema_validator
 
 GrammarKind = Literal["json_schema", "regex", "lark", "ebnf", "choice"]
 
@@ -41,20 +44,16 @@ _REGEX_SPECIAL = re.compile(r"([\\.^$|?*+()\[\]{}/-])")
 
 @functools.lru_cache(maxsize=1024)
 def _schema_error(source: str) -> str | None:
-    """What is wrong with the schema of JSON text `source` (None: a valid schema). Cached: checking
-    against the metaschema costs milliseconds, and a server sees the same schemas again and again."""
+    """What is wrong with the schema of JSON text `source` (None: a valid schema) in its draft
+    (`normalize.schema_validator`). Cached: checking against the metaschema costs milliseconds, and
+    a server sees the same schemas again and again."""
     schema = json.loads(source)
-    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    validator = schema_validator(schema)
     try:
         validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         return f"json_schema at {json_pointer(list(e.path)) or '/'}: {e.message}"
     return None
-
-
-def json_pointer(path: Sequence[str | int]) -> str:
-    """RFC 6901 pointer for a path of keys/indices: ["a/b", 0] -> "/a~1b/0"; [] -> "" (the root)."""
-    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
 
 
 def escape_regex_literal(text: str) -> str:

@@ -11,11 +11,13 @@ a keyword nobody measured is refused, so the approximation is never silent.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 
+from tandem.grammars.normalize import subschemas
 from tandem.grammars.spec import GrammarSpec, json_pointer
 
 # Keywords that never reject an instance (annotations, identifiers, containers of definitions).
@@ -109,6 +111,30 @@ def _values_fit_siblings(schema: dict, keyword: str) -> bool:
         return False
 
 
+def _overlapping(patterns: dict, names: dict) -> bool:
+    """Whether a declared property name matches a `patternProperties` regex (unparseable: yes)."""
+    try:
+        return any(re.search(pattern, name) for pattern in patterns for name in names)
+    except re.error:
+        return True
+
+
+def _combinations(schema: dict, path: tuple) -> Iterator[tuple[str, str]]:
+    """Labels of keywords that some backend drops when they meet in one subschema (measured in
+    HONOURED_COMBINATIONS): `pattern:with-length` (beside minLength / maxLength), `pattern:with-format`,
+    `anyOf:with-properties`, `patternProperties:overlapping` (a pattern matching a declared name)."""
+    if "pattern" in schema:
+        if "minLength" in schema or "maxLength" in schema:
+            yield json_pointer(path + ("pattern",)), "pattern:with-length"
+        if schema.get("format") in DEFINED_FORMATS:
+            yield json_pointer(path + ("pattern",)), "pattern:with-format"
+    if "anyOf" in schema and "properties" in schema:
+        yield json_pointer(path + ("anyOf",)), "anyOf:with-properties"
+    patterns, names = schema.get("patternProperties"), schema.get("properties")
+    if isinstance(patterns, dict) and isinstance(names, dict) and _overlapping(patterns, names):
+        yield json_pointer(path + ("patternProperties",)), "patternProperties:overlapping"
+
+
 def schema_assertions(schema: Any, path: tuple = ()) -> Iterator[tuple[str, str]]:
     """Yield (JSON pointer, keyword label) for every assertion in `schema` and its subschemas.
 
@@ -131,6 +157,7 @@ def schema_assertions(schema: Any, path: tuple = ()) -> Iterator[tuple[str, str]
     for keyword in ("enum", "const"):
         if keyword in schema and not _values_fit_siblings(schema, keyword):
             yield json_pointer(path + (keyword,)), f"{keyword}:unfiltered"
+    yield from _combinations(schema, path)
     for keyword in _SCHEMA_MAPS:
         if isinstance(schema.get(keyword), dict):
             for name, sub in schema[keyword].items():
@@ -154,7 +181,9 @@ def unhonoured(spec: GrammarSpec, backend: str) -> list[str]:
     if spec.kind != "json_schema":
         return []
     honoured = (
-        HONOURED.get(backend, frozenset()) | HONOURED_BEYOND_SUITE.get(backend, frozenset())
+        HONOURED.get(backend, frozenset())
+        | HONOURED_BEYOND_SUITE.get(backend, frozenset())
+        | HONOURED_COMBINATIONS.get(backend, frozenset())
     ) - IGNORED_BEYOND_SUITE.get(backend, frozenset())
     missing = [
         f"{pointer or '/'}: {label}" for pointer, label in schema_assertions(spec.schema) if label not in honoured
@@ -162,6 +191,49 @@ def unhonoured(spec: GrammarSpec, backend: str) -> list[str]:
     if spec.whitespace in INEXACT_WHITESPACE.get(backend, ()):
         missing.append(f"/: whitespace:{spec.whitespace}")
     return missing
+
+
+def _structure(schema: Any, path: tuple = ()) -> Iterator[tuple[str, str]]:
+    """(pointer, label) of the shapes a backend may narrow: `properties:several` (two or more
+    declared properties: the backends force their declared order) and `any` (a free-form value:
+    a subschema without assertions, an array without `items`, an object that takes undeclared
+    properties of any value)."""
+    if schema is True or (isinstance(schema, dict) and not set(schema) & ASSERTIONS):
+        yield json_pointer(path), "any"
+    if not isinstance(schema, dict):
+        return
+    if isinstance(schema.get("properties"), dict) and len(schema["properties"]) > 1:
+        yield json_pointer(path + ("properties",)), "properties:several"
+    types = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+    if "array" in types and not {"items", "prefixItems"} & set(schema):
+        yield json_pointer(path), "any"
+    may_be_object = "object" in types or (types == [None] and "properties" in schema)
+    if may_be_object and schema.get("additionalProperties", True) is True and "patternProperties" not in schema:
+        yield json_pointer(path), "any"  # undeclared properties take free-form values
+    for keyword, sub in subschemas(schema):
+        yield from _structure(sub, path + keyword)
+
+
+def narrowed(spec: GrammarSpec, backend: str) -> list[str]:
+    """`pointer: label` for each part of a json_schema spec where `backend` is measured to reject
+    valid instances (NARROWED) beyond what every backend rejects: what a routing by mask speed would
+    weigh (auto keeps llguidance first, grammars/compiler.py). A free-form value (`any`) counts only
+    with compact whitespace."""
+    if spec.kind != "json_schema" or backend not in NARROWED:
+        return []
+    labels = [*schema_assertions(spec.schema), *_structure(spec.schema)]
+    return [
+        f"{pointer or '/'}: {label}"
+        for pointer, label in labels
+        if label in NARROWED[backend] and (label != "any" or spec.whitespace in ("compact", None, 0))
+    ]
+
+
+def native_formats(backend: str) -> frozenset[str]:
+    """The formats `backend` is measured to honour itself (next to `type: string`); the compiler
+    turns any other format into a pattern (`lowering.py`)."""
+    return frozenset(label[len("format:") :] for label in HONOURED.get(backend, ()) if label.startswith("format:")
+                     and "@" not in label)  # fmt: skip
 
 
 # `GrammarSpec.whitespace` modes a backend can only approximate (it would allow more whitespace
@@ -254,6 +326,36 @@ HONOURED: dict[str, frozenset[str]] = {
 HONOURED_BEYOND_SUITE: dict[str, frozenset[str]] = {
     "llguidance": frozenset({"enum:unfiltered", "const:unfiltered"}),
 }
+
+# `_combinations`' labels, measured by tests/grammars/test_support.py (test_keyword_combinations...),
+# which walks an invalid instance of each through every backend. MaskBench caught xgrammar on all
+# four (Github_easy---o9867: a pattern's maxLength ignored; o44051: `format: uri` beside a pattern;
+# o87825: `patternProperties: {".*": ...}` not applied to declared properties; Glaiveai2K---
+# calculate_area_eb6be0b0: `properties` ignored beside `anyOf`); outlines-core on the overlap.
+HONOURED_COMBINATIONS: dict[str, frozenset[str]] = {
+    "llguidance": frozenset({
+        "pattern:with-length", "pattern:with-format", "anyOf:with-properties", "patternProperties:overlapping",
+    }),
+    "outlines": frozenset({"pattern:with-length", "pattern:with-format", "anyOf:with-properties"}),
+}  # fmt: skip
+
+# Labels where a backend rejects valid instances that the other backends accept: from
+# `--measure-keywords`' "narrowed" table (xgrammar less llguidance; both narrow `type`, `enum` and
+# `const`, e.g. 1.0 for an integer), and from MaskBench's valid instances: with compact whitespace
+# xgrammar takes one key or item in a free-form value (Github_easy---o1008, o33825, JME_45), reads
+# a `patternProperties` regex as anchored (o14471), and takes no escape in a string with a length
+# bound (o9871). Both
+# force the declared property order (o10094), so `properties:several` is listed for neither.
+# tests/grammars/test_support.py (test_narrowed...) re-measures them.
+NARROWED: dict[str, frozenset[str]] = {
+    "xgrammar": frozenset({
+        "contains@untyped", "dependentRequired@untyped", "maxContains@untyped", "maxItems@untyped",
+        "maxProperties@untyped", "minItems@untyped", "minProperties@untyped", "propertyNames@untyped",
+        "required:undeclared@untyped", "unevaluatedItems@untyped", "unevaluatedProperties@untyped",
+        "uniqueItems@untyped", "any", "patternProperties", "patternProperties@untyped", "maxLength",
+        "maxLength@untyped", "minLength", "minLength@untyped",
+    }),
+}  # fmt: skip
 
 # Labels the suite measured as honoured that MaskBench caught being ignored (`tandem eval-schemas`
 # let an invalid instance through): subtracted from HONOURED, so a regenerated table cannot bring

@@ -5,7 +5,7 @@ Every pass over V is split into chunks of BLOCK tokens, one program each, so a c
 at batch 1 as well as at 256 (one program per row walking V serially is latency-bound: a single
 row would leave most of the GPU idle). A call launches, in order:
 
-1. `_chunk_stats_kernel`, grid (chunks, k+1, rows): every position of every row, before any
+1. `_chunk_stats_kernel`, grid (rows, k+1, chunks): every position of every row, before any
    acceptance is known, in one pass over its chunk that fuses the bitmask unpack, temperature,
    min-p, the chunk's max and argmax (lowest id among ties), its softmax sum relative to its own
    max and, for the relaxed rule, the count of tokens ranked before the draft. Reading positions
@@ -13,7 +13,7 @@ row would leave most of the GPU idle). A call launches, in order:
 2. `_walk_kernel`, one program per row: combines each position's chunks (rescaling the sums to
    the position's max), decides every position's draft at once, stops at the first rejection
    and writes the row's result; greedy rows emit the argmax the combine found.
-3. Stochastic rows only: `_race_kernel`, grid (chunks, rows), one more pass over the stopping
+3. Stochastic rows only: `_race_kernel`, grid (rows, chunks), one more pass over the stopping
    position for an exponential race (argmax_i w_i / E_i with E_i ~ Exp(1) picks i with
    probability w_i / sum(w): the Gumbel-max trick without its logarithms) over the residual
    w = max(p - q, 0), which needs no normalisation pass; `_race_finish_kernel`
@@ -136,7 +136,7 @@ def _chunk_max_kernel(
     ROW: tl.constexpr,
 ):
     """max_ptr[r, pos, chunk] = max of the chunk's masked logits (min-p needs the max before the sum)."""
-    chunk, pos, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r, pos, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = _row_index(row_ids_ptr, r, INDEXED)
     _, x = _chunk_logits(
         logits_ptr + row * logits_stride_b + pos * logits_stride_j,
@@ -187,7 +187,7 @@ def _chunk_stats_kernel(
     top (max x), argmax (lowest id among ties), sum_t = sum of exp((x - top) / T) over x >= the
     min-p threshold (STOCHASTIC), sum_raw = sum of exp(x - top) and ahead = tokens ranked before
     the draft, ties by lower id (RELAXED)."""
-    chunk, pos, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r, pos, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = _row_index(row_ids_ptr, r, INDEXED)
     logit_row = logits_ptr + row * logits_stride_b + pos * logits_stride_j
     mask_row = mask_ptr + row * mask_stride_b + pos * mask_stride_j
@@ -404,7 +404,7 @@ def _race_kernel(
     row's draft probabilities if the draft there was rejected, else w = p without the rejected
     draft (one-hot q) or w = p (bonus position); and for p itself (the fallback where w is all
     zero). p = exp((x - top) / T) / sum_t on x >= the min-p threshold. Keys at [r, chunk]."""
-    chunk, r = tl.program_id(0), tl.program_id(1)
+    r, chunk = tl.program_id(0), tl.program_id(1)
     row = _row_index(row_ids_ptr, r, INDEXED)
     stochastic, temperature, min_p, seed = _row_settings(temperature_ptr, min_p_ptr, seed_ptr, row, True)
     if stochastic & (tl.load(dead_end_ptr + row) == 0):
@@ -556,7 +556,7 @@ def accept_triton(
         row_ids = _or(rows, dummy)
         flags = dict(HAS_MASK=mask is not None, INDEXED=rows is not None)
         chunks_block = triton.next_power_of_2(num_chunks)
-        grid = (num_chunks, num_positions, num_kernel_rows)
+        grid = (num_kernel_rows, num_positions, num_chunks)  # rows on axis 0: CUDA caps axes 1 and 2 at 65,535
         warps = 8 if block >= 2048 else 4
         tiles = dict(BLOCK=block, ROW=min(32, block))
         if has_min_p:
@@ -625,7 +625,7 @@ def accept_triton(
         if stochastic:  # per (row, chunk): the race's best keys and their ids, for w and for p
             race = torch.empty(2, num_kernel_rows, num_chunks, dtype=torch.float32, device=device)
             race_ids = torch.empty(2, num_kernel_rows, num_chunks, dtype=torch.int32, device=device)
-            _race_kernel[(num_chunks, num_kernel_rows)](
+            _race_kernel[(num_kernel_rows, num_chunks)](
                 *inputs,
                 drafts,
                 drafts.stride(0),

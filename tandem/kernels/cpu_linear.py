@@ -6,6 +6,10 @@ and calling sgemm wrote and re-read it, and ran sgemm's small-M path, slower tha
 output is one multiply-add chain over the inputs in order, the same whatever the number of rows,
 so a row's result does not depend on the other rows of its batch.
 
+Under ``torch.compile`` the kernel is the custom op ``tandem::cpu_linear`` (a fake implementation
+gives its output's shape), which inductor calls as an opaque kernel; eager calls go to the C
+function directly, which spares each of a step's linears the op's dispatch.
+
 The extension is built at install when a C compiler is there (``pyproject.toml``); without it,
 or on a CPU without AVX-512, :func:`available` is False and the layers use ``F.linear``.
 """
@@ -54,7 +58,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
     Only for inputs that :func:`applies` to; the caller checks. This checks what would otherwise have
     the C code read outside the tensors: the shapes, the weight's and bias's device, the bias's layout.
+    Traced by ``torch.compile``, it is the custom op ``torch.ops.tandem.cpu_linear``.
     """
+    if torch.compiler.is_compiling():
+        return cpu_linear_op(x, weight, bias)
     (rows, size), outputs = x.shape, weight.shape[0]
     bias_fits = bias is None or (
         bias.shape == (outputs,) and bias.dtype == torch.float32 and bias.is_cpu and bias.is_contiguous()
@@ -77,3 +84,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         weight.stride(1),
     )
     return out
+
+
+@torch.library.custom_op("tandem::cpu_linear", mutates_args=())
+def cpu_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`linear` as a custom op, what a compiled graph calls; ``x`` contiguous, as :func:`applies` asks."""
+    return linear(x, weight, bias)
+
+
+@cpu_linear_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])

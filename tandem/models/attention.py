@@ -9,8 +9,8 @@ It keeps two concerns apart:
   (:meth:`~SlotAddressing.gather`: ``[B, num_keys, ...]``, key ``j`` at position ``key_start + j``).
   Today each row owns a cache slot, ``cache[slot, position]``. This is the one seam the cache's
   layout goes through: a paged KV cache replaces it with an addressing that writes and gathers
-  through block tables, and a static-shape mode (CUDA-graph capture) with one that scatters every
-  write and gathers each row's whole slot; the providers keep calling ``write`` and ``gather``.
+  through block tables, and graph mode (:meth:`RaggedLayout.static`) with one that scatters every
+  write and gathers one key window for every row; the providers keep calling ``write`` and ``gather``.
 - **Visibility**: queries sit in a padded ``[B, Qmax]`` grid (:meth:`RaggedLayout.to_grid`) and
   see the gathered keys whose position is at most theirs (:attr:`RaggedLayout.visible`, none for
   one token per row at each row's end); one ``scaled_dot_product_attention`` call runs with that
@@ -120,6 +120,34 @@ class RaggedLayout:
             keys = torch.arange(addressing.key_start, addressing.key_end, device=batch.positions.device)
             visible = (keys <= query_positions[..., None])[:, None]
         return cls(addressing, num_rows, grid_index, visible, max_query, max_key)
+
+    @classmethod
+    def static(
+        cls, positions: Tensor, write_slots: Tensor, slots: Tensor, key_start: int, num_keys: int
+    ) -> RaggedLayout:
+        """The layout of a fixed grid of ``B`` rows by ``Q`` tokens (graph mode), built from device tensors only.
+
+        Args:
+            positions: ``[B, Q]`` int64, each token's position; a padding token takes a position its row's
+                slot already holds (the row's last), so its query sees real keys and no softmax row is empty.
+            write_slots: ``[B * Q]`` int64, the slot each token's entry is written to: padding tokens write to a
+                scratch slot that no real row reads, so they never overwrite a real row's entries.
+            slots: ``[B]`` int64, the slot each row's queries read (a padding row: the scratch slot).
+            key_start, num_keys: every row reads keys ``key_start .. key_start + num_keys - 1``: a CUDA graph
+                the whole slot; a compiled CPU step the window its rows reach (``num_keys`` a dynamic size).
+
+        Every write is a scatter and every row gathers the same key window, masked by position (key
+        position <= query position) instead of sliced by the rows' lengths: nothing depends on a value
+        read from the batch, so the layout's ops compile into one graph per ``(B, Q)``.
+        """
+        num_rows, max_query = positions.shape
+        key_end = key_start + num_keys
+        addressing = SlotAddressing(
+            write_slots, positions.flatten(), None, slots, first_slot=None, key_start=key_start, key_end=key_end
+        )
+        keys = torch.arange(key_start, key_end, device=positions.device)
+        visible = (keys <= positions[..., None])[:, None]
+        return cls(addressing, num_rows, None, visible, max_query, key_end)
 
     def attention_mask(self, dtype: torch.dtype, repeats: int = 1) -> Tensor | None:
         """``visible`` as ``scaled_dot_product_attention``'s additive mask (0 or -inf) in ``dtype``,

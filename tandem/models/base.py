@@ -31,7 +31,7 @@ input of decoder layer ``i`` (before any final norm); the default capture points
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
@@ -296,6 +296,9 @@ class DraftInput:
     history: list[Tensor] | None  # per row: all committed token ids [L_b] int64 (n-gram lookup)
     constraint: DraftConstraint | None = None  # grammar-aware drafting (None: propose freely)
     adjust: LogitAdjuster | None = None  # the rows' penalties and logit biases (None: the draft's own logits)
+    # How a chained draft runs each of its steps, ``(batch, hidden [T, *], cache) -> [T, H]``: None is the
+    # draft's own eager ``step``; graph mode passes its runner's (``tandem.engine.graphs.GraphRunner.draft_step``).
+    step: Callable[[ForwardBatch, Tensor, KVCache], Tensor] | None = None
 
 
 @dataclass

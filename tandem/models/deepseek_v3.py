@@ -209,21 +209,39 @@ class DeepseekV3(nn.Module):
 
         ``hidden`` is ``[T, H]`` after the final norm; ``aux_hidden`` is ``[T, len(aux_layer_ids) * H]``,
         the inputs of the layers in :attr:`aux_layer_ids` (index ``num_layers`` = the normed output).
+        The host's part (checks, the layout), then :meth:`forward_layout`.
         """
         if return_aux and not all(0 <= i <= self.num_layers for i in self.aux_layer_ids):
             raise ValueError(f"aux_layer_ids {self.aux_layer_ids} outside hidden_states indices 0..{self.num_layers}")
         cache.begin_forward(batch)
         layout = RaggedLayout.build(batch)
-        rope = self.rope(batch.positions, layout.max_key)
+        return self.forward_layout(
+            layout, batch.input_ids, batch.positions, cache.layers, batch.logits_indices, return_hidden, return_aux
+        )
+
+    def forward_layout(
+        self,
+        layout: RaggedLayout,
+        input_ids: Tensor,
+        positions: Tensor,
+        layers: list[Tensor],
+        logits_indices: Tensor | None = None,
+        return_hidden: bool = False,
+        return_aux: bool = False,
+    ) -> TargetOutput:
+        """The forward's tensor body over a planned ``layout``: ``input_ids, positions [T] int64``,
+        ``layers`` the cache's per-layer tensors. Reads nothing back from the device, so it compiles
+        into one graph (:mod:`tandem.engine.graphs`)."""
+        rope = self.rope(positions, layout.max_key)
         capture = self.aux_layer_ids if return_aux else ()
         captured: dict[int, Tensor] = {}
-        x = self.embed_tokens(batch.input_ids)
+        x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             if i in capture:
                 captured[i] = x
-            x = layer(x, rope, layout, cache.layers[i])
+            x = layer(x, rope, layout, layers[i])
         x = captured[self.num_layers] = self.norm(x)
-        selected = x if batch.logits_indices is None else x[batch.logits_indices]
+        selected = x if logits_indices is None else x[logits_indices]
         return TargetOutput(
             logits=self.lm_head(selected),
             hidden=x if return_hidden else None,

@@ -132,21 +132,40 @@ class Llama3(nn.Module):
         self, batch: ForwardBatch, cache: KVCache, *, return_hidden: bool = False, return_aux: bool = False
     ) -> TargetOutput:
         """Logits ``[N, V] float32`` at ``batch.logits_indices``; ``hidden [T, H]`` after the final norm;
-        ``aux_hidden [T, len(aux_layer_ids) * H]``: the inputs of layers ``aux_layer_ids`` (id L = final output)."""
+        ``aux_hidden [T, len(aux_layer_ids) * H]``: the inputs of layers ``aux_layer_ids`` (id L = final output).
+
+        The host's part (the cache's checks, the layout), then :meth:`forward_layout`."""
         cache.begin_forward(batch)
         layout = RaggedLayout.build(batch)
-        rope = self.rotary(batch.positions, layout.max_key)
-        x = self.embed(batch.input_ids)
+        return self.forward_layout(
+            layout, batch.input_ids, batch.positions, cache.layers, batch.logits_indices, return_hidden, return_aux
+        )
+
+    def forward_layout(
+        self,
+        layout: RaggedLayout,
+        input_ids: Tensor,
+        positions: Tensor,
+        layers: list[Tensor],
+        logits_indices: Tensor | None = None,
+        return_hidden: bool = False,
+        return_aux: bool = False,
+    ) -> TargetOutput:
+        """The forward's tensor body over a planned ``layout`` (:meth:`forward`'s outputs): ``input_ids,
+        positions [T] int64``, ``layers`` the cache's per-layer tensors. Reads nothing back from the
+        device, so it compiles into one graph (``torch.compile(fullgraph=True)``, :mod:`tandem.engine.graphs`)."""
+        rope = self.rotary(positions, layout.max_key)
+        x = self.embed(input_ids)
         captured: dict[int, Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if return_aux and i in self.aux_layer_ids:
                 captured[i] = x
-            x = layer(x, rope, layout, cache.layers[i])
+            x = layer(x, rope, layout, layers[i])
         hidden = self.model.norm(x)
         if return_aux:
             captured[self.num_layers] = hidden
             aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
-        selected = hidden if batch.logits_indices is None else hidden[batch.logits_indices]
+        selected = hidden if logits_indices is None else hidden[logits_indices]
         return TargetOutput(
             logits=self.lm_head(selected),
             hidden=hidden if return_hidden else None,

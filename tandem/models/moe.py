@@ -13,8 +13,8 @@ Routing (DeepSeek-V3 "noaux_tc", as in the reference code and transformers 5.23)
 The experts run one of two ways, equal up to the order of the sums, chosen in one place
 (:meth:`RoutedExperts.runs_dense`): densely, every expert on every token weighted by its routing
 (0 where not chosen), on the CPU while that extra work costs less than the dispatch's sorting,
-gathering and per-expert calls (a step of a few tokens); else dispatched, each expert on the
-tokens that chose it.
+gathering and per-expert calls (a step of a few tokens), and in a graph where the dispatch would
+read the routing on the host; else dispatched, each expert on the tokens that chose it.
 
 Every ``load`` method takes ``take(key, shape, *, dtype) -> Tensor`` (``WeightReader.take``, which
 raises an error naming the key and both shapes) and the module's key prefix.
@@ -157,10 +157,17 @@ class RoutedExperts(Layer):
 
     def runs_dense(self, x: Tensor, experts: Tensor) -> bool:
         """Whether :meth:`forward` runs every expert on every token: on the CPU, while the work that adds
-        to the dispatch's (``T * (E - k)`` unchosen experts' SwiGLUs) stays under :data:`DENSE_MAX_EXTRA_FLOPS`."""
+        to the dispatch's (``T * (E - k)`` unchosen experts' SwiGLUs) stays under :data:`DENSE_MAX_EXTRA_FLOPS`;
+        and in graph mode wherever the dispatch would read the routing on the host (a graph holds no host
+        reads): the CPU dispatch (``.tolist()``) under ``torch.compile``, and a CUDA graph's capture without
+        ``F.grouped_mm`` (whose loop reads the group ends)."""
+        if not x.is_cpu:
+            return x.is_cuda and torch.cuda.is_current_stream_capturing() and not has_grouped_mm(x, self.gate_up)
+        if torch.compiler.is_compiling():
+            return True
         tokens, top_k = experts.shape
         extra_flops = tokens * (self.num_experts - top_k) * 6 * self.intermediate_size * x.shape[1]
-        return x.is_cpu and extra_flops <= DENSE_MAX_EXTRA_FLOPS
+        return extra_flops <= DENSE_MAX_EXTRA_FLOPS
 
     def dense(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """:meth:`forward` running every expert on every token."""

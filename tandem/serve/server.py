@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from tandem.assets import DEFAULT_MODEL
 
 STARTUP_TIMEOUT_S = 30.0
+SUFFIX_STORE_TOKENS = 32768  # the suffix draft's store of finished requests (prompts and outputs), in tokens
 
 
 def build_app(
@@ -23,14 +24,23 @@ def build_app(
     num_speculative_tokens: int = 4,
     served_model_name: str | None = None,
     max_num_seqs: int = 8,
+    graph_mode: str = "auto",
+    suffix_store_tokens: int = SUFFIX_STORE_TOKENS,
 ) -> FastAPI:
     """Load the model (and its draft: "auto" = the best one available, None = plain decoding) and
-    return the app serving it."""
+    return the app serving it; `graph_mode` as `tandem.LLM`'s. With the suffix draft, finished
+    requests go into a store of `suffix_store_tokens` tokens (0: none) that later requests draft from,
+    matched by content (`tandem.models.drafts.suffix.SuffixStore`)."""
     from tandem.llm import LLM, best_draft, resolve_model
+    from tandem.models.drafts.suffix import SuffixDraft, SuffixStore
     from tandem.serve.app import create_app
 
     draft = best_draft(resolve_model(model)) if draft == "auto" else draft
-    llm = LLM(model, draft, num_speculative_tokens=num_speculative_tokens, max_num_seqs=max_num_seqs)
+    llm = LLM(
+        model, draft, num_speculative_tokens=num_speculative_tokens, max_num_seqs=max_num_seqs, graph_mode=graph_mode
+    )
+    if isinstance(llm.draft, SuffixDraft) and suffix_store_tokens > 0:
+        llm.draft.store = SuffixStore(suffix_store_tokens, max_depth=llm.draft.max_depth)
     return create_app(llm, served_model_name or model, draft)
 
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tandem.assets import ASSETS_DIR
+from tandem.assets import ASSETS_DIR, DEFAULT_MODEL
 
 MODEL = "demo-llama"
 STARTUP_TIMEOUT_S = 120  # imports and model load on a busy 2-core machine
@@ -29,6 +29,7 @@ def served(tmp_path):
     port = _free_port()
     log = tmp_path / "serve.log"
     command = [sys.executable, "-m", "tandem.cli", "serve", "--model", MODEL, "--port", str(port), "--max-num-seqs=1"]
+    command += ["--graph-mode", "eager"]
     with log.open("w") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=ASSETS_DIR.parents[1])
     base_url = f"http://127.0.0.1:{port}"
@@ -72,3 +73,13 @@ def test_serve_answers_a_chat_completion(served):
     speculative = body["speculative_decoding"]
     assert speculative["draft"] == "eagle3"  # --draft auto: the model's best shipped draft
     assert 0 <= speculative["accepted"] <= speculative["drafted"]
+
+
+def test_serve_passes_its_options_to_the_app(monkeypatch):
+    from tandem.cli import main
+
+    calls = []
+    monkeypatch.setattr("tandem.cli.serve.build_app", lambda *args: calls.append(args))
+    monkeypatch.setattr("tandem.cli.serve.uvicorn.run", lambda app, **kwargs: None)
+    main(["serve", "--draft", "suffix", "--graph-mode", "eager", "--suffix-store-tokens", "500", "--max-num-seqs", "2"])
+    assert calls == [(DEFAULT_MODEL, "suffix", 4, None, 2, "eager", 500)]

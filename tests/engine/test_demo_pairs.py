@@ -177,8 +177,9 @@ def test_drafts_follow_the_grammar(llms, pair, monkeypatch):
 @pytest.mark.parametrize("pair", sorted(TRAINED), ids=["+".join(p) for p in sorted(TRAINED)])
 def test_verify_masks_come_from_the_draft_walk_and_equal_a_fresh_fill(llms, pair, monkeypatch):
     """A step whose rows all verify the drafts their grammar walk went through takes its masks from
-    that walk (no pipeline job); they equal, bit for bit, what `fill` builds from scratch. Rows keep all k
-    drafts here (adaptive speculation off): a row that keeps fewer takes its masks from the pipeline."""
+    that walk (no pipeline job); they equal, bit for bit, what `fill` builds from scratch at every position
+    a row verifies (past its drafts a row's masks are never read). Rows keep all k drafts here (adaptive
+    speculation off): a row that keeps fewer takes its masks from the pipeline."""
     engine = llms(*pair).engine
     monkeypatch.setattr(engine.config, "adaptive", False)
     submit_masks, submit_job = engine.step_masks.submit, engine.mask_pipeline.submit
@@ -192,7 +193,10 @@ def test_verify_masks_come_from_the_draft_walk_and_equal_a_fresh_fill(llms, pair
             bitmask, in_thinking = (mask.cpu() for mask in masks[0].wait()[:2])  # `fill` writes host buffers
             fresh_bitmask, fresh_thinking = torch.zeros_like(bitmask), torch.zeros_like(in_thinking)
             engine.masker.fill([r.request_id for r in rows], drafts, fresh_bitmask, fresh_thinking)
-            assert torch.equal(bitmask, fresh_bitmask) and torch.equal(in_thinking, fresh_thinking)
+            for b, r in enumerate(rows):  # the positions row b verifies: its drafts and the one after them
+                used = slice(0, len(r.drafts) + 1)
+                assert torch.equal(bitmask[b, used], fresh_bitmask[b, used])
+                assert torch.equal(in_thinking[b, used], fresh_thinking[b, used])
         return masks
 
     def counted_job(*args):

@@ -153,8 +153,12 @@ def test_bench_ratios_are_medians_of_ratios_within_a_round():
         for s, burst in zip(slowdown, [1.2, 1, 1])
     ]
     peer = [{"generated": 50, "seconds": s} for s in slowdown]
-    rounds = {("none", 0, False, False, 1): plain, ("eagle", 4, False, False, 1): spec, ("transformers", "plain"): peer}
-    ratios, ratio_range = _ratios(rounds, k=4, batch=1)
+    rounds = {
+        ("none", 0, False, False, 1, "eager"): plain,
+        ("eagle", 4, False, False, 1, "eager"): spec,
+        ("transformers", "plain"): peer,
+    }
+    ratios, ratio_range = _ratios(rounds, k=4, batch=1, mode="eager")
     assert ratios == {
         "tandem_plain_vs_transformers_plain": 2.0,
         "eagle_k4_vs_plain": 2.0,

@@ -55,11 +55,15 @@ def test_every_finished_constrained_answer_validates_against_its_schema(request,
 
 def test_speculative_equals_plain_under_a_schema(plain, speculative, monkeypatch):
     expected = _generate(plain, _schema_params)
-    # The n-gram draft copies its tokens, so the engine must not walk the grammar for it.
+    got = _generate(speculative, _schema_params)  # n-gram proposals walked for grammar-forced drafts
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert sum(o.stats.accepted for o in got) > 0
+    # Without forced drafts the n-gram draft copies its tokens, so the engine must not walk the grammar
+    # for it: the masks come from the pipeline.
+    monkeypatch.setattr(speculative.engine, "forced_drafts", False)
     monkeypatch.setattr(engine_masks, "MaskWalk", None)
     got = _generate(speculative, _schema_params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-    assert sum(o.stats.accepted for o in got) > 0
 
 
 def test_an_invalid_schema_is_refused_before_anything_runs_and_the_engine_goes_on(plain):

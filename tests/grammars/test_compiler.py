@@ -7,11 +7,15 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from tandem.cli.eval_schemas import walk_instance
+from tandem.core.bitmask import bitmask_width
 from tandem.grammars.backends import BACKENDS
-from tandem.grammars.compiler import AUTO_ORDER, GrammarCompiler, compile_grammar
+from tandem.grammars.compiler import AUTO_ORDER, GrammarCompiler, compile_grammar, lowered
 from tandem.grammars.errors import GrammarCompileError, GrammarCompileTimeout, GrammarRefused
 from tandem.grammars.spec import GrammarSpec
+from tandem.grammars.support import unhonoured
 
 UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
 NOT = {"type": "object", "properties": {"a": {"type": "integer", "not": {"const": 0}}}}
@@ -143,3 +147,36 @@ def test_model_vocab_smaller_than_the_tokenizer_is_an_error(hf_tokenizer):
 
     with pytest.raises(ValueError, match=f"model vocab_size 10 < tokenizer size {len(hf_tokenizer)}"):
         GrammarTokenizer(hf_tokenizer, vocab_size=10)
+
+
+def test_auto_takes_llguidance_first_even_where_xgrammar_honours_the_schema(tokenizer):
+    """llguidance's masks keep the tokenizer's own splits of keys and constants (xgrammar's allow every
+    split, which led demo answers astray), so auto takes it wherever it honours the schema."""
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    spec = GrammarSpec.json_schema(closed)
+    assert not unhonoured(lowered(spec, "xgrammar"), "xgrammar")
+    assert compile_grammar(spec, tokenizer).backend == "llguidance"
+
+
+def test_older_drafts_compile_after_normalisation_and_remote_refs_are_refused_by_url(tokenizer):
+    draft4 = {
+        "$schema": "http://json-schema.org/draft-04/schema#",
+        "definitions": {"n": {"type": "integer", "minimum": 0, "exclusiveMinimum": True}},
+        "type": "object",
+        "properties": {"t": {"type": "array", "items": [{"$ref": "#/definitions/n"}], "additionalItems": False}},
+        "dependencies": {"t": ["u"]},
+    }
+    compiled = compile_grammar(GrammarSpec.json_schema(draft4), tokenizer, "llguidance")
+    buffer = torch.zeros(1, bitmask_width(tokenizer.vocab_size), dtype=torch.int32)
+
+    def accepts(text: str) -> bool:
+        return walk_instance(compiled, tokenizer.encode(text), tokenizer.eos_token_id, buffer, [])
+
+    assert accepts('{"t":[1],"u":0}') and accepts('{"u":0}')
+    # exclusive minimum, additionalItems: false, the dependency of t on u
+    assert not accepts('{"t":[0],"u":0}') and not accepts('{"t":[1,2],"u":0}') and not accepts('{"t":[1]}')
+    remote = {"properties": {"a": {"$ref": "https://example.com/a.json"}}}
+    for backend in ("auto", *AUTO_ORDER):
+        with pytest.raises(GrammarRefused, match=r"/properties/a/\$ref: \$ref https://example.com/a.json is remote"):
+            compile_grammar(GrammarSpec.json_schema(remote, strict=False), tokenizer, backend)

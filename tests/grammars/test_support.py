@@ -11,7 +11,16 @@ from tandem.grammars.backends import BACKENDS
 from tandem.grammars.compiler import GrammarCompiler, compile_grammar
 from tandem.grammars.errors import GrammarError
 from tandem.grammars.spec import GrammarSpec
-from tandem.grammars.support import HONOURED, HONOURED_BEYOND_SUITE, IGNORED_BEYOND_SUITE, schema_assertions, unhonoured
+from tandem.grammars.support import (
+    HONOURED,
+    HONOURED_BEYOND_SUITE,
+    HONOURED_COMBINATIONS,
+    IGNORED_BEYOND_SUITE,
+    NARROWED,
+    narrowed,
+    schema_assertions,
+    unhonoured,
+)
 from tests.grammars.conftest import SCHEMA_SUITE
 
 # Suite files re-measured here: cheap to compile (no outlines DFA blow-up, so no timeouts), and
@@ -33,7 +42,7 @@ def test_walk_reports_every_subschema_with_its_pointer():
         "format": "not-a-defined-format",
     }
     assert sorted(schema_assertions(schema)) == sorted([
-        ("/type", "type"), ("/properties", "properties"), ("/anyOf", "anyOf"),
+        ("/type", "type"), ("/properties", "properties"), ("/anyOf", "anyOf"), ("/anyOf", "anyOf:with-properties"),
         ("/properties/a~1b/type", "type"), ("/properties/a~1b/maxLength", "maxLength"),
         ("/properties/c/items", "items@untyped"), ("/properties/c/items/not", "not"),
         ("/properties/c/items/not/const", "const"),
@@ -109,9 +118,10 @@ def test_enum_and_const_with_conflicting_siblings_are_honoured_or_refused(backen
 
 # `not` over object keywords, reduced from MaskBench Github_trivial---o91408 and Handwritten---pnmp10,
 # each with an instance the `not` rules out.
+# (o91408's bare `not: {required}` is now rewritten exactly, lowering.py; `minProperties` keeps it a `not`.)
 NOT_OVER_OBJECT_KEYWORDS = [
     ({"type": "object", "properties": {"body": {"type": "string"}, "bodyValue": {"type": "string"}},
-      "not": {"required": ["body", "bodyValue"]}}, {"body": "a", "bodyValue": "b"}),
+      "not": {"required": ["body", "bodyValue"], "minProperties": 1}}, {"body": "a", "bodyValue": "b"}),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "not": {"anyOf": [{"required": ["a"]}]}}, {"a": 1}),
 ]  # fmt: skip
 
@@ -126,3 +136,67 @@ def test_keywords_ignored_beyond_the_suite_let_invalid_instances_through_and_are
         assert "/not: not" in unhonoured(GrammarSpec.json_schema(schema), backend)
         with pytest.raises(GrammarError, match="/not: not"):
             compile_grammar(GrammarSpec.json_schema(schema), tokenizer, backend)
+
+
+# Keywords that meet in one subschema, reduced from MaskBench (see support.HONOURED_COMBINATIONS),
+# each with an instance only the combination rules out.
+COMBINATIONS = [
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "abcd", "pattern:with-length"),
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 3}, "ab", "pattern:with-length"),
+    ({"type": "string", "format": "email", "pattern": "^a"}, "b@c.com", "pattern:with-format"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "patternProperties": {"^a": {"maxLength": 2}}},
+     {"a": "xyz"}, "patternProperties:overlapping"),
+    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "patternProperties": {".*": {"type": "boolean"}}},
+     {"a": True, "b": "x"}, "patternProperties:overlapping"),
+    ({"type": "object", "properties": {"a": {"type": "number"}}, "anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+     {"a": "x"}, "anyOf:with-properties"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_keyword_combinations_are_honoured_or_refused(backend, tokenizer):
+    """Measures HONOURED_COMBINATIONS: a backend listed for a label rejects every such instance (or
+    fails to compile); one that lets an instance through is not listed, and refuses it strict."""
+    buffer = torch.zeros(1, bitmask_width(tokenizer.vocab_size), dtype=torch.int32)
+    honoured = HONOURED_COMBINATIONS.get(backend, frozenset())
+    for schema, invalid, label in COMBINATIONS:
+        assert label in {found for _, found in schema_assertions(schema)}, schema
+        try:
+            compiled = compile_grammar(GrammarSpec.json_schema(schema, strict=False), tokenizer, backend)
+        except GrammarError:
+            continue
+        if walk_instance(compiled, tokenizer.encode(instance_text(invalid)), tokenizer.eos_token_id, buffer, []):
+            assert label not in honoured, f"{backend} lets {invalid!r} through {schema}"
+            assert any(item.endswith(f": {label}") for item in unhonoured(GrammarSpec.json_schema(schema), backend))
+
+
+# Valid instances some backend rejects (MaskBench Github_easy---o10094, o1008): support.NARROWED
+# lists a label for a backend that rejects while another accepts.
+NARROWING = [
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}, '{"b":1,"a":2}',
+     "properties:several"),  # declared order forced
+    ({"type": "object", "properties": {"p": {"type": "object"}}}, '{"p":{"a":1,"b":2}}', "any"),  # one free key
+    ({"type": "object", "properties": {"p": {"type": "array"}}}, '{"p":["a","b"]}', "any"),  # one free item
+    ({"type": "object", "properties": {"p": {"description": "x"}}}, '{"p":{"a":1,"b":2}}', "any"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a":1,"b":[1,2]}', "any"),  # undeclared
+    ({"type": "object", "patternProperties": {"[a-z]+": {"type": "integer"}}, "additionalProperties": False},
+     '{"ab1":1}', "patternProperties"),  # read as anchored
+    ({"type": "string", "maxLength": 10}, '"a\\nb"', "maxLength"),  # an escape
+    ({"type": "string", "minLength": 2}, '"a\\nb"', "minLength"),
+]  # fmt: skip
+
+
+def test_narrowed_labels_are_where_a_backend_rejects_valid_instances_another_accepts(tokenizer):
+    buffer = torch.zeros(1, bitmask_width(tokenizer.vocab_size), dtype=torch.int32)
+    for schema, valid, label in NARROWING:
+        spec = GrammarSpec.json_schema(schema)
+        accepted = {
+            backend: walk_instance(
+                compile_grammar(spec, tokenizer, backend), tokenizer.encode(valid), tokenizer.eos_token_id, buffer, []
+            )
+            for backend in ("xgrammar", "llguidance")
+        }
+        for backend, ok in accepted.items():
+            listed = label in NARROWED.get(backend, ())
+            assert listed == (not ok and any(accepted.values())), (backend, schema, accepted)
+            assert any(item.endswith(f": {label}") for item in narrowed(spec, backend)) == listed

@@ -1,5 +1,5 @@
 """Suffix draft: repeated spans, longest match, most frequent continuation, confidence cutoff,
-slot reuse, incremental = from-scratch, the global store, and exactness on the demo model."""
+slot reuse, incremental = from-scratch, and exactness on the demo model (the store: test_suffix_store.py)."""
 
 from __future__ import annotations
 
@@ -81,8 +81,41 @@ def test_slot_reuse_resets_the_slot():
     assert state.trie.root.total == 5 and len(draft.slots) == 1
 
 
-def counts(node: Node) -> dict:
-    return {token: (child.count, child.total, counts(child)) for token, child in node.children.items()}
+def counts(trie: SuffixTrie, node: Node | None = None) -> dict:
+    """Every string's (count, total, continuations) as nested dicts, lazy nodes' implied ones included."""
+    node = trie.root if node is None else node
+    return {token: (child.count, trie.total(child), counts(trie, child)) for token, child in trie.children(node)}
+
+
+def substring_counts(sequences: list[list[int]], max_depth: int) -> dict:
+    """The reference: how often each string of 1 .. max_depth + 1 tokens occurs in the sequences."""
+    found: dict[tuple, int] = {}
+    for seq in sequences:
+        for i in range(len(seq)):
+            for n in range(1, min(max_depth + 1, len(seq) - i) + 1):
+                found[tuple(seq[i : i + n])] = found.get(tuple(seq[i : i + n]), 0) + 1
+    return found
+
+
+def flat(tree: dict, prefix: tuple = ()) -> dict:
+    """`counts` as {string: count}, checking on the way that each total is its children's sum."""
+    found = {}
+    for token, (count, total, children) in tree.items():
+        assert total == sum(c for c, _, _ in children.values()), (prefix + (token,), total, children)
+        found[prefix + (token,)] = count
+        found |= flat(children, prefix + (token,))
+    return found
+
+
+def test_the_trie_holds_every_strings_count_lazy_nodes_included():
+    rng = random.Random(1)
+    for vocab, depth in ((3, 4), (6, 8), (50, 32)):
+        sequences = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 120))] for _ in range(3)]
+        trie = SuffixTrie(depth)
+        for seq in sequences:
+            trie.extend([trie.root], seq, 0)
+        assert flat(counts(trie)) == substring_counts(sequences, depth)
+        assert trie.root.total == sum(map(len, sequences))
 
 
 def test_incremental_updates_equal_a_from_scratch_build():
@@ -94,38 +127,26 @@ def test_incremental_updates_equal_a_from_scratch_build():
         got = proposal(incremental, history[:length], 4)
         scratch = SuffixDraft(max_depth=8)
         assert got == proposal(scratch, history[:length], 4)
-        assert counts(incremental.slots[0].trie.root) == counts(scratch.slots[0].trie.root)
+        assert counts(incremental.slots[0].trie) == counts(scratch.slots[0].trie)
+        assert flat(counts(scratch.slots[0].trie)) == substring_counts([history[:length]], 8)
         length += rng.randrange(1, 6)  # commits of 1 .. k + 1 tokens
 
 
 def test_the_trie_takes_counts_back_exactly():
-    trie = SuffixTrie(4)
-    trie.extend([trie.root], [1, 2, 3, 1, 2])
-    before = counts(trie.root)
-    trie.extend([trie.root], [2, 2, 5, 1])
-    trie.remove([trie.root], [2, 2, 5, 1])
-    assert counts(trie.root) == before
-
-
-def test_the_global_store_serves_other_requests_and_stays_bounded():
-    draft = SuffixDraft(global_tokens=12)
-    prompt = [100, 101]
-    draft.propose_row(0, t([*prompt, 50]), 2)  # first proposal: prompt + first output token
-    draft.propose_row(0, t([*prompt, 50, 51, 52, 53, 54]), 2)
-    assert proposal(draft, [400, 50, 51], 3, slot=3) == [-1, -1, -1]  # the store is still empty
-    # a new request in the slot retires the old output [50 .. 54] into the global store
-    assert proposal(draft, [200, 50, 51], 3) == [52, 53, 54]
-    assert draft.global_size == 5
-    assert proposal(draft, [400, 50, 51], 3, slot=3) == [52, 53, 54]  # a running row sees the new output
-    # another slot sees it too
-    assert proposal(draft, [300, 52], 2, slot=1) == [53, 54]
-    # more outputs push the oldest out (FIFO) once the store holds more than 12 tokens
-    for slot, first in ((2, 60), (2, 70), (2, 80)):
-        draft.propose_row(slot, t([first]), 1)
-        draft.propose_row(slot, t([first, *range(first + 1, first + 5)]), 1)
-    draft.propose_row(2, t([999]), 1)  # retires the last one
-    assert draft.global_size <= 12 and len(draft.global_outputs) >= 1
-    assert 50 not in draft.global_trie.root.children  # the first output left the store
+    rng = random.Random(2)
+    for vocab in (3, 8):
+        trie = SuffixTrie(4)
+        kept, removed = [rng.randrange(vocab) for _ in range(60)], [rng.randrange(vocab) for _ in range(40)]
+        trie.extend([trie.root], kept, 0)
+        before = counts(trie)
+        trie.extend([trie.root], removed, 0)
+        trie.remove(removed)
+        assert counts(trie) == before
+        trie.extend([trie.root], removed, 0)
+        trie.remove(kept)  # the older first (a store's order): nodes split by the newer one stay right
+        assert flat(counts(trie)) == substring_counts([removed], 4)
+        trie.remove(removed)
+        assert trie.root.children == {} and trie.root.total == 0
 
 
 @pytest.fixture(scope="module")

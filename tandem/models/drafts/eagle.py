@@ -55,9 +55,15 @@ class Eagle(nn.Module):
     def step(self, batch: ForwardBatch, features: Tensor, cache: KVCache) -> Tensor:
         """``features [T, H]`` (target hidden or the draft's own output) -> draft output ``[T, H]``."""
         cache.begin_forward(batch)
-        x = self.fc(torch.cat([self.target_embed(batch.input_ids), features.to(self.dtype)], dim=-1))
         layout = RaggedLayout.build(batch, first_position=cache.first_position)
-        return self.layers[0](x, self.rotary(batch.positions, layout.max_key), layout, cache.layers[0])
+        return self.step_layout(layout, batch.input_ids, batch.positions, features, cache.layers)
+
+    def step_layout(
+        self, layout: RaggedLayout, input_ids: Tensor, positions: Tensor, features: Tensor, layers: list[Tensor]
+    ) -> Tensor:
+        """:meth:`step`'s tensor body over a planned ``layout`` (``input_ids, positions [T]``); compiles whole."""
+        x = self.fc(torch.cat([self.target_embed(input_ids), features.to(self.dtype)], dim=-1))
+        return self.layers[0](x, self.rotary(positions, layout.max_key), layout, layers[0])
 
     def logits(self, hidden: Tensor) -> Tensor:
         """``hidden [N, H]`` draft output -> ``[N, V] float32``: the target's head, no norm."""
@@ -67,7 +73,7 @@ class Eagle(nn.Module):
         """Greedy EAGLE proposals ``tokens [B, num_tokens]``; ``probs`` None (deterministic)."""
         if inp.hidden is None:
             raise ValueError("the EAGLE draft needs DraftInput.hidden: the target's last hidden state [T, H]")
-        tokens = propose_chained(self.step, self.logits, inp, inp.hidden, cache, num_tokens)
+        tokens = propose_chained(inp.step or self.step, self.logits, inp, inp.hidden, cache, num_tokens)
         return DraftProposal(tokens=tokens, probs=None)
 
 

@@ -109,8 +109,14 @@ class Eagle3(nn.Module):
         """``hidden [T, H]`` (``fc`` output or the previous pre-norm output) -> pre-norm hidden ``[T, H]``."""
         cache.begin_forward(batch)
         layout = RaggedLayout.build(batch, first_position=cache.first_position)
-        rope = self.rotary(batch.positions, layout.max_key)
-        return self.midlayer(self.target_embed(batch.input_ids), hidden, rope, layout, cache.layers[0])
+        return self.step_layout(layout, batch.input_ids, batch.positions, hidden, cache.layers)
+
+    def step_layout(
+        self, layout: RaggedLayout, input_ids: Tensor, positions: Tensor, hidden: Tensor, layers: list[Tensor]
+    ) -> Tensor:
+        """:meth:`step`'s tensor body over a planned ``layout`` (``input_ids, positions [T]``); compiles whole."""
+        rope = self.rotary(positions, layout.max_key)
+        return self.midlayer(self.target_embed(input_ids), hidden, rope, layout, layers[0])
 
     def logits(self, hidden: Tensor) -> Tensor:
         """``hidden [N, H]`` pre-norm output -> draft-vocabulary logits ``[N, draft_V]``."""
@@ -130,7 +136,7 @@ class Eagle3(nn.Module):
             shape = None if inp.hidden is None else tuple(inp.hidden.shape)
             raise ValueError(f"EAGLE-3 needs the target's aux_hidden [T, {self.fc.in_features}], got {shape}")
         fused = self.fc(inp.hidden.to(self.dtype))
-        tokens = propose_chained(self.step, self.target_logits, inp, fused, cache, num_tokens)
+        tokens = propose_chained(inp.step or self.step, self.target_logits, inp, fused, cache, num_tokens)
         return DraftProposal(tokens=tokens, probs=None)
 
 

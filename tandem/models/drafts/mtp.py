@@ -97,8 +97,14 @@ class MultiTokenPredictor(nn.Module):
         """Run the MTP layer on pairs ``(hidden [T, H], batch.input_ids [T])``; returns ``g: [T, H]`` pre-norm."""
         cache.begin_forward(batch)
         layout = RaggedLayout.build(batch, cache.first_position)
-        fused = self.eh_proj(torch.cat([self.enorm(self._embed(batch.input_ids)), self.hnorm(hidden)], dim=-1))
-        return self.layer(fused, self.rope(batch.positions, layout.max_key), layout, cache.layers[0])
+        return self.step_layout(layout, batch.input_ids, batch.positions, hidden, cache.layers)
+
+    def step_layout(
+        self, layout: RaggedLayout, input_ids: Tensor, positions: Tensor, hidden: Tensor, layers: list[Tensor]
+    ) -> Tensor:
+        """:meth:`step`'s tensor body over a planned ``layout`` (``input_ids, positions [T]``); compiles whole."""
+        fused = self.eh_proj(torch.cat([self.enorm(self._embed(input_ids)), self.hnorm(hidden)], dim=-1))
+        return self.layer(fused, self.rope(positions, layout.max_key), layout, layers[0])
 
     def logits(self, g: Tensor) -> Tensor:
         """``g: [N, H]`` pre-norm MTP output -> ``[N, V] float32``."""
@@ -115,7 +121,7 @@ class MultiTokenPredictor(nn.Module):
         """
         if inp.hidden is None:
             raise ValueError("the MTP draft needs the target's hidden states (DraftInput.hidden is None)")
-        tokens = propose_chained(self.step, self.logits, inp, inp.hidden, cache, num_tokens)
+        tokens = propose_chained(inp.step or self.step, self.logits, inp, inp.hidden, cache, num_tokens)
         return DraftProposal(tokens=tokens, probs=None)
 
     def load(self, take: TakeFn) -> None:

@@ -1,12 +1,13 @@
-"""Suffix draft: model-free proposals from a suffix trie of each row's tokens and of recent outputs.
+"""Suffix draft: model-free proposals from a suffix trie of each row's tokens and of finished requests.
 
 Like Arctic Inference's suffix decoding. Each cache slot keeps a depth-bounded suffix trie of its
 row's tokens (prompt and output): node ``s`` (a string of at most ``max_depth`` tokens) holds, per
 next token ``t``, how often ``s`` was followed by ``t``. The trie is updated incrementally: the
 slot keeps its *active* nodes, those of the current sequence's suffixes of length
-``0 .. max_depth``, and appending a token extends each of them by one child (``O(max_depth)``
-dictionary steps per committed token, never a rebuild). A new request in a slot (its history no
-longer extends the one seen last, or a row starting at position 0) resets the slot.
+``0 .. max_depth`` that occurred before, and appending a token extends each of them by one child
+(never a rebuild); strings seen once are lazy nodes pointing into the tokens (:class:`Node`). A new
+request in a slot (its history no longer extends the one seen last, or a row starting at position
+0) resets the slot.
 
 Proposal: the longest suffix of the row's tokens with a recorded continuation (the deepest active
 node with children), then greedily the most frequent next token (ties: the most recent), while
@@ -16,15 +17,20 @@ the walk when it falls below ``min_confidence``. A walk that reaches the depth b
 the longest suffix (of the tokens so far plus those proposed) found in the trie. Rows get fewer
 than ``k`` tokens (padded with ``PLACEHOLDER_TOKEN_ID``) when the confidence drops.
 
-A bounded global trie of recent outputs (``global_tokens`` > 0) is shared across rows: when a
-slot is reset, its previous request's output (the tokens after its first proposal's history)
-enters it, and the oldest outputs leave it (FIFO, their counts taken back) once it holds more than
-``global_tokens`` tokens. A row's proposal comes from its own trie or from the global one,
-whichever scores higher (the expected accepted length: the sum of the running products).
+A :class:`SuffixStore` (``SuffixDraft.store``; none by default, ``SuffixConfig.global_tokens`` sizes
+one) adds what earlier requests wrote, matched by content, since an OpenAI-style server has no
+conversation id (Arctic Inference's global tree): a bounded FIFO of finished requests' token
+sequences (prompt and output; the engine hands each finished row over with
+:meth:`SuffixDraft.release`) in one trie, whose oldest sequences leave it (their counts taken back)
+once it holds more than its token or request limit. A row's proposal comes from its own trie or from
+the store's, whichever scores higher (the expected accepted length: the sum of the running
+products); the row's own wins ties. Agents repeat long spans of earlier tool output and answers,
+which a row's own trie cannot know when they came in another request.
 
-Host cost per step: ``O(max_depth)`` per committed token per trie, plus ``O(k)`` dictionary
-walks for the proposal (``O(max_depth)`` more per re-anchor); the history prefix check is one
-tensor comparison in C.
+Host cost per step: per committed token, a dictionary step for each of its suffixes that occurred
+before (at most ``max_depth + 1``; a few in text that does not repeat itself: see :class:`Node`),
+plus ``O(k)`` dictionary walks for the proposal (``O(max_depth)`` more per re-anchor); the history
+prefix check is one tensor comparison in C.
 """
 
 from __future__ import annotations
@@ -42,44 +48,61 @@ from tandem.models.config import SuffixConfig
 
 
 class Node:
-    """A trie node: ``count`` = how often its string was followed by its last token from its
-    parent; ``total`` = how often its string was followed by any token (the sum of the children's
-    counts); ``last`` = when it was last counted (ties go to the most recent)."""
+    """A trie node: ``count`` = how often its string occurred (as its parent's string followed by its
+    last token); ``total`` = how often its string was followed by any token (the sum of the
+    children's counts); ``last`` = when it was last counted (ties go to the most recent); ``depth``
+    = its string's length.
 
-    __slots__ = ("children", "count", "total", "last")
+    A string seen once has no node of its own below the first one that occurred once: that *lazy*
+    node (``children`` None) points at its occurrence instead, ``seq[pos]`` being its continuation
+    (if ``seq`` has one yet), and the nodes below it are implied by the tokens after it
+    (:meth:`SuffixTrie.child` makes them on reading). Most strings of a text longer than a few tokens
+    occur once, so a token costs dictionary steps only for its suffixes that occurred before, not for
+    all ``max_depth`` of them. A second occurrence turns a lazy node into an ordinary one
+    (:meth:`SuffixTrie.split`)."""
 
-    def __init__(self) -> None:
-        self.children: dict[int, Node] = {}
-        self.count = 0
+    __slots__ = ("children", "count", "total", "last", "depth", "seq", "pos")
+
+    def __init__(self, depth: int = 0, seq: list[int] | None = None, pos: int = 0, last: int = 0) -> None:
+        self.children: dict[int, Node] | None = None if seq is not None else {}
+        self.count = 0 if seq is None else 1
         self.total = 0
-        self.last = 0
+        self.last = last
+        self.depth, self.seq, self.pos = depth, seq, pos
 
 
 class SuffixTrie:
-    """A depth-bounded suffix trie over one or more token sequences, with incremental appends."""
+    """A depth-bounded suffix trie over one or more token sequences, with incremental appends.
+
+    It holds the strings of up to ``max_depth + 1`` tokens (a context of up to ``max_depth`` and its
+    continuation) of the sequences given to :meth:`extend`; lazy nodes point into those lists, which
+    callers only ever append to.
+    """
 
     def __init__(self, max_depth: int):
         self.max_depth = max_depth
         self.root = Node()
-        self.clock = 0  # a counter for recency
+        self.clock = 0  # a counter for recency: one tick per indexed token
 
-    def extend(self, active: list[Node], tokens: list[int]) -> list[Node]:
-        """Append ``tokens`` to the sequence whose suffix nodes are ``active`` (``active[j]``: the
-        suffix of length j <= ``max_depth``; ``[root]`` for an empty sequence); returns the new
-        active nodes. The trie holds strings of up to ``max_depth + 1`` tokens: a context of up to
-        ``max_depth`` and its continuation."""
+    def extend(self, active: list[Node], seq: list[int], start: int) -> list[Node]:
+        """Index ``seq[start:]`` after ``seq[:start]``, whose suffixes that occurred before have the
+        ordinary nodes ``active`` (``active[j]``: the suffix of length j; ``[root]`` when ``start`` is
+        0); returns the new ``active``."""
         depth, root, clock = self.max_depth, self.root, self.clock
-        for t in tokens:  # the hot loop: O(max_depth) dictionary steps per token
+        for e in range(start, len(seq)):  # the hot loop: a few dictionary steps per token
+            t = seq[e]
             clock += 1
             new = [root]
-            for node in active:  # suffixes of length 0 .. depth: their continuations by t
-                children = node.children
-                child = children.get(t)
-                if child is None:
-                    child = children[t] = Node()
+            for node in active:  # suffixes seen before, of length 0 .. depth: their continuations by t
+                node.total += 1
+                child = node.children.get(t)
+                if child is None:  # a first occurrence (and so are the longer suffixes'): lazy nodes
+                    node.children[t] = Node(node.depth + 1, seq, e + 1, clock)
+                    continue
+                if child.children is None:
+                    self.split(child)
                 child.count += 1
                 child.last = clock
-                node.total += 1
                 new.append(child)
             if len(new) > depth + 1:  # strings of length depth + 1 only count continuations
                 new.pop()
@@ -87,21 +110,47 @@ class SuffixTrie:
         self.clock = clock
         return active
 
-    def remove(self, active: list[Node], tokens: list[int]) -> list[Node]:
-        """Take back the counts of ``extend(active, tokens)``, pruning nodes whose count drops to 0."""
-        for t in tokens:
-            new = [self.root]
-            for node in active:
-                child = node.children.get(t)
-                if child is None:  # pruned: its longer suffixes were pruned too
+    def split(self, node: Node) -> None:
+        """Make lazy ``node`` ordinary (its string occurs again): its one occurrence's continuation
+        becomes a lazy child."""
+        seq, pos = node.seq, node.pos
+        node.children, node.seq = {}, None
+        if pos < len(seq) and node.depth <= self.max_depth:
+            node.children[seq[pos]] = Node(node.depth + 1, seq, pos + 1, node.last + 1)
+            node.total = 1
+
+    def remove(self, seq: list[int]) -> None:
+        """Take back the counts of ``extend([root], seq, 0)``, pruning nodes whose count drops to 0."""
+        for i in range(len(seq)):
+            node = self.root
+            for t in seq[i : i + self.max_depth + 1]:  # the strings starting at i
+                node.total -= 1
+                child = node.children[t]
+                if child.children is None or child.count == 1:  # this occurrence was its only one
+                    del node.children[t]
                     break
                 child.count -= 1
-                node.total -= 1
-                if child.count <= 0:
-                    del node.children[t]
-                new.append(child)
-            active = new[: self.max_depth + 1]
-        return active
+                node = child
+
+    def total(self, node: Node) -> int:
+        """How often ``node``'s string was followed by a token."""
+        if node.children is not None:
+            return node.total
+        return int(node.pos < len(node.seq) and node.depth <= self.max_depth)
+
+    def children(self, node: Node) -> list[tuple[int, Node]]:
+        """``node``'s continuations and their nodes (a lazy node's one, made on reading)."""
+        if node.children is not None:
+            return list(node.children.items())
+        if not self.total(node):
+            return []
+        return [(node.seq[node.pos], Node(node.depth + 1, node.seq, node.pos + 1, node.last + 1))]
+
+    def child(self, node: Node, token: int) -> Node | None:
+        """The node of ``node``'s string followed by ``token``, or None if that never occurred."""
+        if node.children is not None:
+            return node.children.get(token)
+        return next((child for t, child in self.children(node) if t == token), None)
 
     def match(self, tokens: list[int]) -> Node | None:
         """The deepest node with a continuation among the suffixes of ``tokens`` (at most
@@ -109,17 +158,16 @@ class SuffixTrie:
         for n in range(min(self.max_depth, len(tokens)), 0, -1):
             node = self.root
             for t in tokens[len(tokens) - n :]:
-                node = node.children.get(t)
+                node = self.child(node, t)
                 if node is None:
                     break
-            if node is not None and node.total > 0:
+            if node is not None and self.total(node) > 0:
                 return node
         return None
 
-
-def best_child(node: Node) -> tuple[int, Node]:
-    """The most frequent continuation (ties: the most recent)."""
-    return max(node.children.items(), key=lambda item: (item[1].count, item[1].last))
+    def best_child(self, node: Node) -> tuple[int, Node]:
+        """The most frequent continuation (ties: the most recent)."""
+        return max(self.children(node), key=lambda item: (item[1].count, item[1].last))
 
 
 def walk(
@@ -135,12 +183,14 @@ def walk(
     tokens: list[int] = []
     confidence, score = 1.0, 0.0
     while node is not None and len(tokens) < num_tokens:
-        if node.total <= 0:  # the depth bound (or an evicted node): re-anchor on the tokens so far
+        total = trie.total(node)
+        if total <= 0:  # the depth bound (or an evicted node): re-anchor on the tokens so far
             node = trie.match(context[-trie.max_depth :] + tokens)
             if node is None:
                 break
-        token, child = best_child(node)
-        prob = child.count / node.total
+            total = trie.total(node)
+        token, child = trie.best_child(node)
+        prob = child.count / total
         if prob < min_token_prob or confidence * prob < min_confidence:
             break
         confidence *= prob
@@ -150,16 +200,68 @@ def walk(
     return tokens, confidence, score
 
 
+class SuffixStore:
+    """A bounded store of finished requests' token sequences in one suffix trie, shared by every row
+    (and by every draft it is given to).
+
+    Holds at most ``max_tokens`` tokens (a longer sequence keeps its last ``max_tokens``) and at most
+    ``max_requests`` sequences (None: no count limit); adding past either limit evicts the oldest
+    sequences first (FIFO), taking their counts back exactly. ``version`` changes whenever the
+    contents do, so readers know when the nodes they hold may have left the trie.
+    """
+
+    def __init__(self, max_tokens: int, max_requests: int | None = None, max_depth: int = 32):
+        if max_tokens < 1 or (max_requests is not None and max_requests < 1):
+            raise ValueError(
+                f"a suffix store needs max_tokens >= 1 and max_requests >= 1, got {max_tokens}, {max_requests}"
+            )
+        self.max_tokens, self.max_requests = max_tokens, max_requests
+        self.trie = SuffixTrie(max_depth)
+        self.sequences: deque[list[int]] = deque()  # oldest first
+        self.size = 0  # tokens held
+        self.version = 0
+
+    def add(self, tokens: list[int]) -> None:
+        """Index one finished request's tokens, evicting the oldest sequences past the limits."""
+        tokens = tokens[-self.max_tokens :]
+        if not tokens:
+            return
+        self.trie.extend([self.trie.root], tokens, 0)
+        self.sequences.append(tokens)
+        self.size += len(tokens)
+        while self.size > self.max_tokens or (
+            self.max_requests is not None and len(self.sequences) > self.max_requests
+        ):
+            old = self.sequences.popleft()
+            self.trie.remove(old)
+            self.size -= len(old)
+        self.version += 1
+
+    def follow(self, active: list[Node | None], tokens: list[int]) -> list[Node | None]:
+        """The store's nodes of a sequence's suffixes (read only; ``active`` as in
+        :meth:`SuffixTrie.extend`, present ones only) after appending ``tokens``."""
+        trie = self.trie
+        for t in tokens:
+            new: list[Node | None] = [trie.root]
+            for node in active[: trie.max_depth]:  # lengths 0 .. depth - 1, extended by t
+                child = trie.child(node, t) if node is not None else None
+                if child is None:
+                    break  # a longer suffix is absent too
+                new.append(child)
+            active = new
+        return active
+
+
 @dataclass
 class SlotState:
     """One cache slot's row: the history it has indexed, its trie and its active suffix nodes."""
 
     history: Tensor  # the tokens indexed so far (the last history seen)
+    tokens: list[int]  # the same, the list ``trie``'s lazy nodes point into
     trie: SuffixTrie
     active: list[Node]  # in ``trie``
-    global_active: list[Node | None]  # the same suffixes in the global trie (present ones only)
-    first_len: int  # the history's length at the first proposal (prompt + first token)
-    global_version: int = 0  # the global store's version ``global_active`` was found in
+    store_active: list[Node | None]  # the same suffixes in the store's trie (present ones only)
+    store_version: int = -1  # the store's version ``store_active`` was found in
 
 
 class SuffixDraft:
@@ -167,7 +269,9 @@ class SuffixDraft:
 
     State lives on the draft, per cache slot (``batch.spans.slots``); the engine runs one draft
     per engine, so per-slot state is the row's state. ``last_confidence`` holds each row's
-    confidence of the latest proposal (1.0 for an empty one)."""
+    confidence of the latest proposal (1.0 for an empty one). ``store``: the
+    :class:`SuffixStore` finished rows go into and proposals also draw on (None: none); set it, or
+    share one store between drafts, at any time."""
 
     hidden_kind = None
     follows_constraint = False  # it copies tokens from the history; the verify masks judge them
@@ -177,21 +281,15 @@ class SuffixDraft:
         max_depth: int = 32,
         min_token_prob: float = 0.1,
         min_confidence: float = 0.0,
-        global_tokens: int = 0,
+        store: SuffixStore | None = None,
     ):
         if max_depth < 1:
             raise ValueError(f"the suffix draft needs max_depth >= 1, got {max_depth}")
         if not 0.0 <= min_token_prob <= 1.0 or not 0.0 <= min_confidence <= 1.0:
             raise ValueError(f"probability thresholds must lie in [0, 1], got {min_token_prob}, {min_confidence}")
-        if global_tokens < 0:
-            raise ValueError(f"global_tokens must be >= 0, got {global_tokens}")
         self.max_depth, self.min_token_prob, self.min_confidence = max_depth, min_token_prob, min_confidence
-        self.global_tokens = global_tokens
+        self.store = store
         self.slots: dict[int, SlotState] = {}
-        self.global_trie = SuffixTrie(max_depth)
-        self.global_outputs: deque[list[int]] = deque()  # FIFO of the outputs in the global trie
-        self.global_size = 0
-        self.global_version = 0  # bumped whenever an output enters or leaves the global store
         self.last_confidence: list[float] = []
 
     def new_cache(self, num_slots: int, max_len: int) -> None:
@@ -200,21 +298,12 @@ class SuffixDraft:
 
     # -- the per-slot index --------------------------------------------------------------------
 
-    def _retire(self, state: SlotState) -> None:
-        """A slot's request ended: its output enters the global store (bounded, FIFO)."""
-        if self.global_tokens <= 0:
-            return
-        output = state.history[max(state.first_len - 1, 0) :].tolist()[-self.global_tokens :]
-        if not output:
-            return
-        self.global_trie.extend([self.global_trie.root], output)
-        self.global_outputs.append(output)
-        self.global_size += len(output)
-        self.global_version += 1
-        while self.global_size > self.global_tokens:
-            old = self.global_outputs.popleft()
-            self.global_trie.remove([self.global_trie.root], old)
-            self.global_size -= len(old)
+    def release(self, slot: int, tokens: list[int]) -> None:
+        """The row in ``slot`` finished with ``tokens`` (prompt and output): they enter the store, if
+        there is one, and the slot's index is dropped (the engine calls this as the row leaves)."""
+        self.slots.pop(slot, None)
+        if self.store is not None:
+            self.store.add(list(tokens))
 
     def update(self, slot: int, history: Tensor, start: int | None = None) -> SlotState:
         """Index ``history`` (the row's committed tokens) into ``slot``'s trie, incrementally when it
@@ -225,36 +314,25 @@ class SuffixDraft:
         if state is not None:
             seen = len(state.history)
             if start == 0 or len(history) < seen or not torch.equal(history[:seen], state.history):
-                self._retire(state)
                 state = None
         if state is None:
             trie = SuffixTrie(self.max_depth)
-            state = SlotState(history[:0], trie, [trie.root], [self.global_trie.root], len(history), -1)
+            state = SlotState(history[:0], [], trie, [trie.root], [])
             self.slots[slot] = state
         new = history[len(state.history) :].tolist()
         if new:
-            state.active = state.trie.extend(state.active, new)
-        if self.global_tokens > 0:
-            if state.global_version != self.global_version:  # the store changed: find the suffixes again
-                recent = history[-self.max_depth :].tolist()
-                state.global_active = self._follow_global([self.global_trie.root], recent)
-                state.global_version = self.global_version
+            state.tokens.extend(new)
+            state.active = state.trie.extend(state.active, state.tokens, len(state.tokens) - len(new))
+        store = self.store
+        if store is not None:
+            if state.store_version != store.version:  # the store changed: find the suffixes again
+                recent = history[-store.trie.max_depth :].tolist()
+                state.store_active = store.follow([store.trie.root], recent)
+                state.store_version = store.version
             elif new:
-                state.global_active = self._follow_global(state.global_active, new)
+                state.store_active = store.follow(state.store_active, new)
         state.history = history
         return state
-
-    def _follow_global(self, active: list[Node | None], tokens: list[int]) -> list[Node | None]:
-        """The global trie's nodes of the row's suffixes (read only), after ``tokens``."""
-        for t in tokens:
-            new: list[Node | None] = [self.global_trie.root]
-            for node in active[: self.max_depth]:  # lengths 0 .. max_depth - 1, extended by t
-                child = node.children.get(t) if node is not None else None
-                if child is None:
-                    break  # a longer suffix is absent too
-                new.append(child)
-            active = new
-        return active
 
     def propose_row(
         self, slot: int, history: Tensor, num_tokens: int, start: int | None = None
@@ -262,11 +340,12 @@ class SuffixDraft:
         """Index the row's tokens, then propose up to ``num_tokens`` tokens and their confidence."""
         state = self.update(slot, history, start)
         context = state.history[-self.max_depth :].tolist()
-        candidates = []
-        for trie, active in ((state.trie, state.active), (self.global_trie, state.global_active)):
-            if trie is self.global_trie and self.global_size == 0:
-                continue
-            node = next((n for n in reversed(active) if n is not None and n.total > 0), None)
+        sources = [(state.trie, state.active)]
+        if self.store is not None:
+            sources.append((self.store.trie, state.store_active))
+        candidates = []  # the row's own first: max() keeps the first of equal scores
+        for trie, active in sources:
+            node = next((n for n in reversed(active) if n is not None and trie.total(n) > 0), None)
             if node is not None and node is not trie.root:
                 candidates.append(walk(trie, node, context, num_tokens, self.min_token_prob, self.min_confidence))
         if not candidates:
@@ -290,4 +369,5 @@ class SuffixDraft:
 
 def build(config: SuffixConfig, weights: None, *, dtype: torch.dtype, device: torch.device, target=None) -> SuffixDraft:
     """The loading registry's builder for ``"suffix"``."""
-    return SuffixDraft(config.max_depth, config.min_token_prob, config.min_confidence, config.global_tokens)
+    store = SuffixStore(config.global_tokens, max_depth=config.max_depth) if config.global_tokens > 0 else None
+    return SuffixDraft(config.max_depth, config.min_token_prob, config.min_confidence, store)

@@ -1,0 +1,309 @@
+"""Graph mode: the target's decode/verify forwards and the chained drafts' steps as graphs over fixed shapes.
+
+A step of ``B`` rows with at most ``Q`` tokens each is padded to a bucket: ``B`` up to the next
+capture size (``EngineConfig.capture_sizes``, default 1, 2, 4, ... ``max_num_seqs``), ``Q`` up to the
+next static width (1, or ``k + 1`` for a verify and a draft's first pass over newly committed
+tokens). Each ``(bucket, width)`` gets one graph, built on first use, that reads persistent buffers
+(token ids, positions, write slots, row slots, the draft's hidden inputs) which every step fills,
+so a graph reads the same addresses at every replay. The body is the providers' tensor half
+(``Target.forward_layout``, a chained draft's ``step_layout``) over
+:meth:`~tandem.models.attention.RaggedLayout.static`: writes scattered, each row's keys masked by
+position. Padding rows read, and padding tokens write, one scratch slot past the engine's
+(``GraphRunner.SCRATCH_SLOTS``), so they never touch a real row's cache.
+
+- CUDA: one ``torch.cuda.CUDAGraph`` per shape, captured (over eager kernels) after an eager warm-up
+  and one on a side stream, every graph in one memory pool; the key window is the whole slot (a
+  graph's shapes are fixed).
+- CPU: ``torch.compile(fullgraph=True)`` per shape and torch thread count (backend ``inductor``, or
+  ``$TANDEM_COMPILE_BACKEND``: tests use ``aot_eager`` or ``eager``), its generated code kept in a persistent
+  cache (``$TORCHINDUCTOR_CACHE_DIR``, default ``~/.cache/tandem/inductor``) so a restart does not
+  compile from scratch. The key window is each step's (its rows' furthest position), one dynamic
+  size in the graph: attending over a whole 4096-position slot costs a small model more than its
+  weights on the CPU.
+
+Prefill stays eager: a prompt's length is unbounded, so one graph per length (or per padded length
+bucket, each a full compile) would cost more than the host overhead it removes from a forward that
+is long anyway. A step that fits no bucket (a prefill, more rows than the largest capture size)
+runs eagerly and counts in :attr:`GraphRunner.fallbacks`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from tandem.core.transfer import int64_tensor
+from tandem.models.attention import RaggedLayout
+from tandem.models.base import ForwardBatch, KVCache, RowSpans, TargetOutput
+
+GRAPH_MODES = ("auto", "eager", "compiled")
+AUTO_GRAPH_MODE = {"cuda": "compiled", "cpu": "eager"}  # "auto" per device type (README, graph mode)
+BACKEND_ENV = "TANDEM_COMPILE_BACKEND"
+CACHE_DIR = Path.home() / ".cache" / "tandem" / "inductor"
+# Set on import, before anything asks inductor for its cache (which then fixes the default under /tmp).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
+
+
+def resolve_graph_mode(mode: str, device: torch.device) -> str:
+    """``"eager"`` or ``"compiled"`` for ``mode`` on ``device`` (``"auto"``: :data:`AUTO_GRAPH_MODE`)."""
+    if mode not in GRAPH_MODES:
+        raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}; got {mode!r}")
+    return AUTO_GRAPH_MODE.get(device.type, "eager") if mode == "auto" else mode
+
+
+def resolve_capture_sizes(sizes: Sequence[int] | None, max_num_seqs: int) -> tuple[int, ...]:
+    """The batch buckets, ascending: ``sizes``, or 1, 2, 4, ... and ``max_num_seqs`` itself when None.
+
+    Raises ``ValueError`` naming a size that is not an int in ``[1, max_num_seqs]``."""
+    if sizes is None:
+        return tuple(sorted({min(1 << i, max_num_seqs) for i in range(max_num_seqs.bit_length() + 1)}))
+    for size in sizes:
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= max_num_seqs:
+            raise ValueError(f"capture size {size!r} must be an int in [1, max_num_seqs={max_num_seqs}]")
+    if not sizes:
+        raise ValueError("capture_sizes is empty: give at least one batch size (or None for the default)")
+    return tuple(sorted(set(sizes)))
+
+
+Graph = Callable[
+    [tuple], object
+]  # runs one shape's graph over its arguments (the buffers' views) and returns its outputs
+
+
+class GraphRunner:
+    """Runs a target's (and a chained draft's) fixed-shape steps as graphs; everything else eagerly.
+
+    :meth:`forward` has :meth:`Target.forward`'s contract and :meth:`draft_step` a chained draft's
+    ``step`` (``DraftInput.step``). Both check and update the cache's host-side lengths exactly as
+    the eager path does, then fill the buffers and run the shape's graph.
+
+    Attributes:
+        compile_s: seconds spent building graphs (compiling, or warm-up and capture on CUDA).
+        graph_bytes: bytes held for graph mode: the buffers, and on CUDA the graphs' memory pool.
+        fallbacks: forwards and draft steps that ran eagerly (prefills, too many rows).
+        replays: forwards and draft steps that ran a graph.
+    """
+
+    SCRATCH_SLOTS = 1  # cache slots past max_num_seqs that the engine allocates for padding
+
+    def __init__(
+        self,
+        target,
+        target_cache: KVCache,
+        draft=None,
+        draft_cache: KVCache | None = None,
+        *,
+        widths: Sequence[int],
+        capture_sizes: Sequence[int],
+        backend: str | None = None,
+    ):
+        if not hasattr(target, "forward_layout"):
+            raise ValueError(
+                f"graph_mode='compiled' needs a target with forward_layout; {type(target).__name__} has none"
+            )
+        self.target, self.target_cache = target, target_cache
+        self.draft, self.draft_cache = draft, draft_cache
+        self.device = target_cache.layers[0].device
+        self.cuda = self.device.type == "cuda"
+        self.buckets, self.widths = tuple(sorted(capture_sizes)), tuple(sorted(set(widths)))
+        self.scratch = target_cache.num_slots - self.SCRATCH_SLOTS
+        self.max_len = target_cache.max_len
+        self.backend = backend or os.environ.get(BACKEND_ENV, "inductor")
+        tokens = self.buckets[-1] * self.widths[-1]
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        self.plan = torch.zeros(2 * tokens + self.buckets[-1], dtype=torch.int64, device=self.device)
+        self.key_positions = torch.arange(self.max_len, device=self.device)
+        chained = draft is not None and draft_cache is not None and hasattr(draft, "step_layout")
+        self.draft_step = self._draft_step if chained else None  # DraftInput.step: None keeps the draft's own
+        dtype = target_cache.layers[0].dtype  # the target's: its hidden states fill the draft's input buffer
+        self.hidden = torch.zeros(tokens, target.hidden_size, dtype=dtype, device=self.device) if chained else None
+        self.graph_bytes = sum(
+            t.numel() * t.element_size() for t in (self.input_ids, self.plan, self.hidden) if t is not None
+        )
+        self.compile_s, self.fallbacks, self.replays = 0.0, 0, 0
+        self._graphs: dict[tuple, Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
+
+    # ---------------------------------------------------------------- the two entry points
+    def forward(
+        self, batch: ForwardBatch, cache: KVCache, *, return_hidden: bool = False, return_aux: bool = False
+    ) -> TargetOutput:
+        """:meth:`Target.forward` of ``batch`` into ``cache`` (the target's), through a graph when it fits one."""
+        shape = self._shape(batch.spans)
+        if shape is None:
+            self.fallbacks += 1
+            return self.target.forward(batch, cache, return_hidden=return_hidden, return_aux=return_aux)
+        cache.begin_forward(batch)
+        grid = self._load(batch, shape, cache.first_position)
+        key = ("target", *shape, return_hidden, return_aux)
+        logits, hidden, aux = self._run(key, self._target_body(return_hidden, return_aux), batch, shape, cache, ())
+        index = batch.logits_indices
+        if grid is not None:
+            index = grid if index is None else grid[index]
+        return TargetOutput(
+            logits=logits if index is None else logits[index],
+            hidden=None if hidden is None else _rows(hidden, grid),
+            aux_hidden=None if aux is None else _rows(aux, grid),
+        )
+
+    def _draft_step(self, batch: ForwardBatch, hidden: Tensor, cache: KVCache) -> Tensor:
+        """A chained draft's ``step``: ``hidden [T, H]`` -> ``[T, H]``, through a graph when it fits one."""
+        shape = self._shape(batch.spans)
+        if shape is None:
+            self.fallbacks += 1
+            return self.draft.step(batch, hidden, cache)
+        cache.begin_forward(batch)
+        grid = self._load(batch, shape, cache.first_position)
+        inputs = self.hidden[: shape[0] * shape[1]]
+        if grid is None:
+            inputs.copy_(hidden)
+        else:
+            inputs[grid] = hidden.to(inputs.dtype)
+        out = self._run(("draft", *shape), self._draft_body(), batch, shape, cache, (inputs,))
+        return _rows(out, grid)
+
+    # ---------------------------------------------------------------- host planning
+    def _shape(self, spans: RowSpans) -> tuple[int, int] | None:
+        """``(bucket, width)`` of a step with these rows, or None when none fits."""
+        rows, longest = len(spans.slots), max(spans.lengths)
+        bucket = next((b for b in self.buckets if b >= rows), None)
+        width = next((w for w in self.widths if w >= longest), None)
+        return None if bucket is None or width is None else (bucket, width)
+
+    def _load(self, batch: ForwardBatch, shape: tuple[int, int], first_position: int) -> Tensor | None:
+        """Fill the buffers for ``batch`` padded to ``shape``; returns each token's index in the grid ``[T]``
+        (None when the batch fills the grid in order). One host-to-device copy, no device read.
+
+        A padding token repeats its row's last position and writes to the scratch slot; a padding
+        row reads the scratch slot at ``first_position``, the one key it writes there itself."""
+        (rows, width), spans, scratch = shape, batch.spans, self.scratch
+        positions, write_slots, grid = [], [], []
+        for b, (start, n, slot) in enumerate(zip(spans.starts, spans.lengths, spans.slots)):
+            positions += [start + min(j, n - 1) for j in range(width)]
+            write_slots += [slot] * n + [scratch] * (width - n)
+            grid += range(b * width, b * width + n)
+        padding = (rows - len(spans.slots)) * width
+        positions += [first_position] * padding
+        write_slots += [scratch] * padding
+        slots = spans.slots + [scratch] * (rows - len(spans.slots))
+        in_order = len(grid) == rows * width
+        host = int64_tensor(positions + write_slots + slots + ([] if in_order else grid), self.device)
+        size = 2 * rows * width + rows
+        self.plan[:size].copy_(host[:size])
+        ids = self.input_ids[: rows * width]
+        if in_order:
+            ids.copy_(batch.input_ids)
+            return None
+        index = host[size:]
+        ids[index] = batch.input_ids
+        return index
+
+    # ---------------------------------------------------------------- graphs
+    def _target_body(self, return_hidden: bool, return_aux: bool) -> Callable:
+        target = self.target
+
+        def body(input_ids, positions, write_slots, slots, keys, layers, key_start: int):
+            layout = RaggedLayout.static(positions, write_slots, slots, key_start, keys.shape[0])
+            out = target.forward_layout(layout, input_ids, positions.flatten(), layers, None, return_hidden, return_aux)
+            return out.logits, out.hidden, out.aux_hidden
+
+        return body
+
+    def _draft_body(self) -> Callable:
+        draft = self.draft
+
+        def body(input_ids, positions, write_slots, slots, keys, layers, key_start: int, hidden):
+            layout = RaggedLayout.static(positions, write_slots, slots, key_start, keys.shape[0])
+            return draft.step_layout(layout, input_ids, positions.flatten(), hidden, layers)
+
+        return body
+
+    def _run(self, key: tuple, body: Callable, batch: ForwardBatch, shape: tuple[int, int], cache: KVCache, extra):
+        """Run ``key``'s graph of ``body`` over the buffers (building it on first use); returns its outputs.
+
+        The key window: a CUDA graph's is fixed, the whole slot; a compiled CPU graph's is the rows' furthest
+        position, at least two keys (a size of 1 would specialise the graph). A compiled graph is specialised
+        to the torch threads it ran with (the engine runs larger steps on more), so they are part of its key."""
+        start = cache.first_position
+        end = self.max_len if self.cuda else min(max(max(batch.spans.ends()), start + 2), self.max_len)
+        args = self._args(shape, cache, end, extra)
+        if not self.cuda:
+            key = (*key, torch.get_num_threads())
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self.replays += 1
+            return graph(args)
+        began = time.perf_counter()
+        # Warm-up over the whole slot: state built on demand (the rotary tables, to max_len) exists before
+        # tracing or capture, and no later eager step (a longer prefill) rebuilds what a graph reads.
+        body(*self._args(shape, cache, self.max_len, extra))
+        self._graphs[key], out = self._build(body, args)
+        self.compile_s += time.perf_counter() - began
+        return out
+
+    def _args(self, shape: tuple[int, int], cache: KVCache, end: int, extra: tuple) -> tuple:
+        """A body's arguments: views of the buffers for ``shape``, keys ``first_position .. end - 1``."""
+        rows, width = shape
+        tokens = rows * width
+        plan = self.plan
+        start = cache.first_position
+        return (
+            self.input_ids[:tokens],
+            plan[:tokens].view(rows, width),
+            plan[tokens : 2 * tokens],
+            plan[2 * tokens : 2 * tokens + rows],
+            self.key_positions[start:end],
+            cache.layers,
+            start,
+            *extra,
+        )
+
+    def _build(self, body: Callable, args: tuple) -> tuple[Callable, object]:
+        """The graph of ``body`` over ``args`` (the buffers' views) and its first outputs."""
+        if not self.cuda:
+            compiled = torch.compile(body, fullgraph=True, backend=self.backend)
+
+            def run(current: tuple):
+                # Marked at every call: a graph dynamo ever rebuilds (a guard failed) keeps the window dynamic.
+                torch._dynamo.maybe_mark_dynamic(current[4], 0)
+                with _static_shapes():
+                    return compiled(*current)
+
+            out = run(args)
+
+            return run, out
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            body(*args)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph, reserved = torch.cuda.CUDAGraph(), torch.cuda.memory_reserved(self.device)
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = body(*args)
+        self.graph_bytes += torch.cuda.memory_reserved(self.device) - reserved
+        graph.replay()
+
+        def replay(_: tuple):
+            graph.replay()
+            return out
+
+        return replay, out
+
+
+def _rows(out: Tensor, grid: Tensor | None) -> Tensor:
+    """The batch's tokens ``[T, ...]`` of a graph's grid output ``[B_bucket * Q, ...]``."""
+    return out if grid is None else out[grid]
+
+
+def _static_shapes():
+    """Dynamo's settings for the runner's graphs: no automatic dynamic shapes (a second bucket must not make
+    the batch size dynamic: each shape is its own graph), and room for every runner's shapes, which share
+    one code object's cache of graphs."""
+    return torch._dynamo.config.patch(
+        automatic_dynamic_shapes=False, recompile_limit=1024, accumulated_recompile_limit=4096
+    )

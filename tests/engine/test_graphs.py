@@ -1,0 +1,193 @@
+"""Graph mode (engine/graphs.py) in the engine: speculative greedy output equals plain greedy output,
+both compiled, token for token, for every trained demo pair, with and without a JSON schema; a batch
+that changes bucket mid-run stays correct; seeded sampling gives eager's tokens; bad settings are
+refused. The GPU tests (``-m gpu``) capture CUDA graphs.
+
+CPU graphs compile with dynamo's ``eager`` backend: dynamo traces each shape whole
+(``fullgraph=True``, so a graph break still fails) and the graph runs eager's kernels, at about
+half of ``aot_eager``'s compile time; tests/models/test_compile.py runs the bodies through AOT
+tracing (functionalization, the custom op's fake kernel).
+
+The models are loaded once per target and shared by the engines, so an engine built after another
+finds the same shapes' graphs in dynamo's cache and compiles nothing new.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tandem.decoding.params import SamplingParams
+from tandem.demo.corpus import TASK_FAMILIES, generate_examples
+from tandem.engine.engine import Engine, EngineConfig
+from tandem.llm import chat_prompt_ids, resolve_draft, resolve_model
+from tandem.models.linear import narrow_exact_weights
+from tandem.models.loading import load_draft, load_target
+
+PAIRS = [("demo-llama", "eagle3"), ("demo-llama", "eagle"), ("demo-deepseek", "mtp")]
+EXAMPLES = generate_examples(2, seed=11, split="heldout")
+MAX_TOKENS = 12
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_only(monkeypatch):
+    monkeypatch.setenv("TANDEM_COMPILE_BACKEND", "eager")
+
+
+@pytest.fixture(scope="module")
+def models():
+    """``models(name, draft)`` -> (target, draft or None, tokenizer), each loaded once (float32, narrowed)."""
+    loaded = {}
+
+    def get(name: str, draft: str | None):
+        if name not in loaded:
+            path = resolve_model(name)
+            target = load_target(path, dtype=torch.float32)
+            narrow_exact_weights(target)
+            loaded[name] = (target, AutoTokenizer.from_pretrained(path))
+        if draft is not None and (name, draft) not in loaded:
+            loaded[name, draft] = load_draft(resolve_draft(draft, resolve_model(name)), loaded[name][0])
+            narrow_exact_weights(loaded[name, draft])
+        target, tokenizer = loaded[name]
+        return target, None if draft is None else loaded[name, draft], tokenizer
+
+    return get
+
+
+def _engine(models, name: str, draft: str | None, **config) -> Engine:
+    target, draft_model, tokenizer = models(name, draft)
+    settings = dict(max_num_seqs=2, max_model_len=384, graph_mode="compiled", capture_sizes=(2,))
+    return Engine(target, draft_model, tokenizer, EngineConfig(**{**settings, **config}))
+
+
+def _generate(engine: Engine, params: list[SamplingParams]) -> list[list[int]]:
+    """Token ids of the demo examples, one request per params entry, all in one batch."""
+    ids = [
+        engine.add_request(chat_prompt_ids(engine.tokenizer, example.messages, example.tools), p)
+        for example, p in zip(EXAMPLES, params)
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.pop_finished(request_id).token_ids for request_id in ids]
+
+
+@pytest.mark.parametrize("schema", [False, True], ids=["free", "schema"])
+@pytest.mark.parametrize("name, draft", PAIRS)
+def test_speculative_greedy_equals_plain_greedy_compiled(models, name, draft, schema):
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, json_schema=TASK_FAMILIES[e.family].schema if schema else None)
+        for e in EXAMPLES
+    ]
+    speculative = _engine(models, name, draft)
+    plain = _engine(models, name, None)
+    assert _generate(speculative, params) == _generate(plain, params)
+    for engine in (speculative, plain):  # the steps after each prefill ran as graphs
+        assert engine.runner.replays > 0 and engine.runner.fallbacks >= 1
+    assert any(key[0] == "draft" for key in speculative.runner._graphs)
+
+
+def test_a_batch_changing_bucket_stays_correct(models):
+    """Two rows (bucket 2) until the shorter one finishes, then one (bucket 1): the eager tokens, and both
+    buckets' graphs ran."""
+    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=MAX_TOKENS)]
+    compiled = _engine(models, "demo-llama", "eagle3", capture_sizes=(1, 2))
+    eager = _engine(models, "demo-llama", "eagle3", graph_mode="eager")
+    assert eager.runner is None
+    assert _generate(compiled, params) == _generate(eager, params)
+    assert {key[1] for key in compiled.runner._graphs} == {1, 2}
+
+
+@pytest.mark.parametrize("name, draft", [("demo-llama", "eagle3"), ("demo-deepseek", "mtp")])
+def test_drafts_in_graphs_are_accepted_as_eager_ones(models, name, draft):
+    """The draft's graphs propose what its eager steps do: at a fixed k (adaptive speculation off, its choices
+    follow timings) every request takes the same steps and accepts the same drafts. Greedy equality alone
+    would not see a draft that reads the wrong hidden states or cache entries: it only costs acceptance."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS) for _ in EXAMPLES]
+    stats = {}
+    for mode in ("compiled", "eager"):
+        engine = _engine(models, name, draft, graph_mode=mode, adaptive=False)
+        ids = [
+            engine.add_request(chat_prompt_ids(engine.tokenizer, example.messages, example.tools), p)
+            for example, p in zip(EXAMPLES, params)
+        ]
+        while engine.has_unfinished():
+            engine.step()
+        outputs = [engine.pop_finished(request_id) for request_id in ids]
+        stats[mode] = [(o.token_ids, o.stats.steps, o.stats.accepted) for o in outputs]
+    assert stats["compiled"] == stats["eager"]
+    assert sum(accepted for _, _, accepted in stats["eager"]) > 0
+
+
+def test_seeded_sampling_gives_the_eager_tokens(models):
+    """Same seeds, same tokens. The graphs run eager's kernels, up to the rounding of sums over the masked
+    key window (about 1e-6 relative): a sample could only flip if its uniform fell that close to a
+    boundary. Inductor's fused reductions round differently, so under it seeded runs may part ways."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7 + i) for i in range(2)]
+    compiled = _generate(_engine(models, "demo-llama", "eagle3"), params)
+    assert compiled == _generate(_engine(models, "demo-llama", "eagle3", graph_mode="eager"), params)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"graph_mode": "fast"}, "'fast'"),
+        ({"graph_mode": "compiled", "capture_sizes": (0, 2)}, "capture size 0"),
+        ({"graph_mode": "compiled", "capture_sizes": (4,)}, "capture size 4"),
+    ],
+)
+def test_bad_graph_settings_are_refused(models, settings, message):
+    with pytest.raises(ValueError, match=message):
+        _engine(models, "demo-llama", None, **settings)
+
+
+def test_auto_is_eager_on_the_cpu(models):
+    assert _engine(models, "demo-llama", None, graph_mode="auto").runner is None
+
+
+# ---------------------------------------------------------------- GPU: CUDA graphs
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GPU_PAIRS = [("demo-llama", "eagle3", torch.float32), ("demo-deepseek", "mtp", torch.bfloat16)]
+
+
+def _cuda_llm(name: str, draft: str | None, dtype: torch.dtype, mode: str):
+    from tandem import LLM
+
+    return LLM(name, draft, device="cuda", dtype=dtype, max_num_seqs=2, graph_mode=mode, capture_sizes=(1, 2))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name, draft, dtype", GPU_PAIRS)
+def test_cuda_graphs_replay_the_eager_tokens_across_buckets(name, draft, dtype):
+    """Captured and replayed through a bucket change (two rows, then one), a speculative run gives the plain
+    captured run's greedy tokens, and in float32 the eager run's."""
+    params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=32)]
+    outputs = {}
+    for mode, drafted in (("eager", draft), ("compiled", draft), ("compiled", None)):
+        engine = _cuda_llm(name, drafted, dtype, mode).engine
+        outputs[mode, drafted] = _generate(engine, params)
+        if mode == "compiled":
+            assert {key[1] for key in engine.runner._graphs} == {1, 2} and engine.runner.graph_bytes > 0
+    assert outputs["compiled", draft] == outputs["compiled", None]
+    if dtype == torch.float32:
+        assert outputs["compiled", draft] == outputs["eager", draft]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name, draft, dtype", GPU_PAIRS)
+def test_a_replayed_step_reads_the_device_twice(name, draft, dtype):
+    from tests.engine.test_device_reads import _device_reads
+
+    engine = _cuda_llm(name, draft, dtype, "compiled").engine
+    for example in EXAMPLES:
+        engine.add_request(
+            chat_prompt_ids(engine.tokenizer, example.messages, example.tools), SamplingParams(max_tokens=64)
+        )
+    for _ in range(3):  # prefill, then the first steps capture their graphs
+        engine.step()
+    for _ in range(3):
+        reads = _device_reads(engine)
+        assert len(reads) == 2, "\n".join(reads)
+    assert engine.runner.replays > 0

@@ -1,0 +1,132 @@
+"""Closing masks: witnesses the grammar accepts, masks inside the grammar's, and any walk inside them ends
+valid when the budget runs out (JSON schema, regex and EBNF grammars, for the backends that take them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tandem.core.bitmask import unpack_bitmask
+from tandem.grammars.backends import BACKENDS
+from tandem.grammars.closing import Closer, closing_token_order
+from tandem.grammars.masks import SpeculativeMasker
+from tandem.grammars.spec import GrammarSpec
+from tandem.thinking import ThinkingMarkers, ThinkingTracker
+from tests.grammars.conftest import PERSON_SCHEMA, PERSON_TEXTS
+
+GRAMMARS = {
+    "schema": (GrammarSpec.json_schema(PERSON_SCHEMA), PERSON_TEXTS[1]),
+    "regex": (GrammarSpec.regex(r"[a-z]{1,8}@[a-z]{2,8}\.(com|org)"), "ada@lovelace.org"),
+    "ebnf": (GrammarSpec.ebnf('root ::= "(" root ")" | "x"'), "(((x)))"),
+}
+CASES = [
+    (backend, name)
+    for name, (spec, _) in GRAMMARS.items()
+    for backend in ("xgrammar", "llguidance")
+    if spec.kind in BACKENDS[backend].KINDS
+]
+
+
+@pytest.fixture(scope="module")
+def closer(tokenizer):
+    return Closer.for_tokenizer(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id])
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
+def grammar(request, tokenizer):
+    """(new_matcher, the token ids of a text the grammar accepts)."""
+    backend, name = request.param
+    spec, text = GRAMMARS[name]
+    return BACKENDS[backend].compile(spec, tokenizer), tokenizer.encode(text)
+
+
+def mask(matcher, width) -> torch.Tensor:
+    out = torch.zeros(1, width, dtype=torch.int32)
+    matcher.fill_bitmask(out, 0)
+    return out[0]
+
+
+def test_token_order_tries_closing_characters_first(hf_tokenizer):
+    texts = ["ab", '"}', " ]", "7", ",", '"', "a"]
+    order = closing_token_order(texts)
+    assert order[:3] == [5, 1, 2] and order[3] == 4 and order[4] == 3  # `"`, `"}`, ` ]`; `,`; digits; words
+
+
+def test_a_witness_is_accepted_ends_the_grammar_and_leaves_the_matcher_unchanged(grammar, closer, tokenizer):
+    new_matcher, tokens = grammar
+    width = (tokenizer.vocab_size + 31) // 32
+    for split in range(len(tokens) + 1):
+        matcher = new_matcher()
+        for token in tokens[:split]:
+            assert matcher.accept_token(token)
+        before = mask(matcher, width)
+        witness = closer.search(matcher, 32)
+        assert witness is not None, f"no completion found after {tokens[:split]}"
+        assert torch.equal(mask(matcher, width), before)
+        for token in witness:
+            assert matcher.accept_token(token)
+        assert bool(unpack_bitmask(mask(matcher, width), tokenizer.vocab_size)[tokenizer.eos_token_id])
+
+
+def test_the_witness_of_open_brackets_closes_them_all_and_no_more(tokenizer, closer):
+    new_matcher = BACKENDS["xgrammar"].compile(GRAMMARS["ebnf"][0], tokenizer)
+    matcher = new_matcher()
+    for token in tokenizer.encode("((("):
+        assert matcher.accept_token(token)
+    text = tokenizer.hf.decode(list(closer.search(matcher, 32)))
+    assert text == "x)))"
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_walk_inside_the_closing_masks_can_end_when_the_budget_runs_out(grammar, closer, tokenizer, data):
+    """Whatever allowed token a row takes at each step, its grammar may end when its last token is spent; every
+    closing mask is inside the grammar's own."""
+    new_matcher, _ = grammar
+    masker = SpeculativeMasker(tokenizer.vocab_size, len(tokenizer.hf), closer=closer)
+    shortest = len(closer.search(new_matcher(), 32))
+    budget = data.draw(st.integers(shortest, shortest + 10))
+    masker.add_row("r", new_matcher())
+    plain = new_matcher()  # the same tokens, no closing
+    bitmask, in_thinking = torch.zeros(1, 1, masker.width, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.bool)
+    for remaining in range(budget, 0, -1):
+        masker.fill(["r"], torch.zeros(1, 0, dtype=torch.int64), bitmask, in_thinking, remaining=[remaining])
+        closing = unpack_bitmask(bitmask[0, 0], tokenizer.vocab_size)
+        grammar_mask = unpack_bitmask(mask(plain, masker.width), tokenizer.vocab_size)
+        assert not (closing & ~grammar_mask).any(), "a closing mask allows a token the grammar forbids"
+        allowed = closing.nonzero().flatten().tolist()
+        assert allowed, f"dead end with {remaining} tokens left"
+        token = data.draw(st.sampled_from(allowed))
+        if token == tokenizer.eos_token_id:
+            return
+        masker.commit("r", [token])
+        assert plain.accept_token(token)
+    assert bool(unpack_bitmask(mask(plain, masker.width), tokenizer.vocab_size)[tokenizer.eos_token_id])
+
+
+def test_a_budget_too_small_for_any_completion_leaves_the_masks_alone(grammar, closer, tokenizer):
+    new_matcher, _ = grammar
+    masker = SpeculativeMasker(tokenizer.vocab_size, len(tokenizer.hf), closer=closer)
+    masker.add_row("r", new_matcher())
+    shortest = len(closer.search(new_matcher(), 32))
+    if shortest < 2:
+        pytest.skip("the grammar ends after one token")
+    bitmask, in_thinking = torch.zeros(1, 1, masker.width, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.bool)
+    masker.fill(["r"], torch.zeros(1, 0, dtype=torch.int64), bitmask, in_thinking, remaining=[shortest - 1])
+    assert torch.equal(bitmask[0, 0], mask(new_matcher(), masker.width))
+
+
+def test_a_thinking_row_with_room_only_for_the_shortest_answer_must_close_its_reasoning(tokenizer, closer):
+    markers = ThinkingMarkers.from_tokenizer(tokenizer.hf)
+    new_matcher = BACKENDS["llguidance"].compile(GrammarSpec.json_schema(PERSON_SCHEMA), tokenizer)
+    shortest = len(closer.search(new_matcher(), 32))
+    masker = SpeculativeMasker(tokenizer.vocab_size, len(tokenizer.hf), closer=closer)
+    masker.add_row("r", new_matcher(), ThinkingTracker(markers, [markers.open_id]))
+    bitmask, in_thinking = torch.zeros(1, 2, masker.width, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.bool)
+    think = tokenizer.encode(" hmm")[:1]
+    masker.fill(["r"], torch.tensor([think]), bitmask, in_thinking, remaining=[shortest + 2])
+    assert in_thinking.all()
+    assert unpack_bitmask(bitmask[0, 0], tokenizer.vocab_size).sum() > 1  # one token of slack: free
+    assert unpack_bitmask(bitmask[0, 1], tokenizer.vocab_size).nonzero().flatten().tolist() == [markers.close_id]
