@@ -8,8 +8,10 @@ one constrained generation. From the trace: each stream's host-to-device copies 
 fraction of their time during which a kernel ran on another stream (the copy hidden behind
 compute), and the device's busy fraction (union of kernel time over the profiled window: a host
 that stalls on masks leaves the device idle). Drafts that follow the grammar (EAGLE, EAGLE-3, MTP)
-build the verify masks while drafting; the n-gram draft's go through `MaskPipeline`'s worker
-thread and side stream. JSON on stdout; `--trace` also writes each chrome trace.
+build the verify masks while drafting; the n-gram draft's proposals are walked under the grammar too
+(grammar-forced drafting, `EngineConfig.forced_drafts`), so `MaskPipeline`'s worker thread and side
+stream build the masks of prefills and of rows whose drafts were cut. JSON on stdout; `--trace` also
+writes each chrome trace.
 """
 
 from __future__ import annotations
