@@ -70,9 +70,8 @@ def resolve_capture_sizes(sizes: Sequence[int] | None, max_num_seqs: int) -> tup
     return tuple(sorted(set(sizes)))
 
 
-Graph = Callable[
-    [tuple], object
-]  # runs one shape's graph over its arguments (the buffers' views) and returns its outputs
+# Runs one shape's graph over its arguments (the buffers' views) and returns its outputs.
+Graph = Callable[[tuple], object]
 
 
 class GraphRunner:

@@ -57,6 +57,18 @@ def generate(llm: LLM, max_tokens: int = 48) -> list:
     return [engine.pop_finished(i) for i in ids]
 
 
+def forced_walk(masker: SpeculativeMasker, capacity: int) -> MaskWalk:
+    """A forced-detecting walk of the masker's one row "r" over up to ``capacity`` drafts."""
+    return MaskWalk(
+        masker,
+        ["r"],
+        capacity,
+        torch.zeros(1, capacity + 1, masker.width, dtype=torch.int32),
+        torch.zeros(1, capacity + 1, dtype=torch.bool),
+        detect_forced=True,
+    )
+
+
 def test_single_token_reads_one_bit_anywhere_in_the_row():
     for token in (0, 31, 32, 63, 100):
         row = torch.zeros(4, dtype=torch.int32)
@@ -78,14 +90,7 @@ def test_the_walk_flags_exactly_the_positions_with_one_allowed_token(backend, to
     masker = SpeculativeMasker(len(tokenizer))
     masker.add_row("r", new_matcher())
     capacity = len(tokens)
-    walk = MaskWalk(
-        masker,
-        ["r"],
-        capacity,
-        torch.zeros(1, capacity + 1, masker.width, dtype=torch.int32),
-        torch.zeros(1, capacity + 1, dtype=torch.bool),
-        detect_forced=True,
-    )
+    walk = forced_walk(masker, capacity)
     for token in tokens:
         walk.advance([token])
     walk.finish()
@@ -106,14 +111,7 @@ def test_a_walk_goes_on_with_forced_tokens_and_replaces_a_proposal_that_disagree
     masker = SpeculativeMasker(len(tokenizer), end_token_ids=[tokenizer.eos_token_id])
     masker.add_row("r", new_matcher())
     capacity = len(expected) + 2
-    walk = MaskWalk(
-        masker,
-        ["r"],
-        capacity,
-        torch.zeros(1, capacity + 1, masker.width, dtype=torch.int32),
-        torch.zeros(1, capacity + 1, dtype=torch.bool),
-        detect_forced=True,
-    )
+    walk = forced_walk(masker, capacity)
     wrong = tokenizer.encode(" wrong", add_special_tokens=False)[0]
     walk.advance_proposals([[expected[0], wrong, wrong]], [3], [capacity])  # the first token is free: taken
     walk.finish()
