@@ -1,6 +1,6 @@
 """Mask-walk speed per backend, and how much of it the overlap pipeline hides.
 
-    python benchmarks/masks.py --tokenizer PATH [--maskbench DIR] [--files 40] [--batch 8] [--k 4]
+    python benchmarks/masks.py --tokenizer PATH [--maskbench DIR] [--files 40] [--batch 8] [--k 4] [--backends ...]
 
 For MaskBench schemas every backend compiles non-strict, it replays each valid instance as a
 speculative decode: per step the masker fills [B, k+1, W] for drafts = the next k true tokens,
@@ -138,11 +138,12 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--forward-ms", type=float, default=5.0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backends", nargs="+", choices=sorted(BACKENDS), default=sorted(BACKENDS))
     args = parser.parse_args()
     tokenizer = GrammarTokenizer(AutoTokenizer.from_pretrained(args.tokenizer))
     cases = load_cases(tokenizer, args.maskbench, args.files)
     report = {}
-    for backend in sorted(BACKENDS):
+    for backend in args.backends:
         per_row = time_backend(tokenizer, backend, cases, args.batch, args.k)
         report[backend] = {
             "rows": len(per_row),

@@ -1,34 +1,50 @@
 """Bounded load run of `tandem serve` on loopback: concurrent streaming clients, every answer checked.
 
 Starts the server in-process on 127.0.0.1 (a free port), then CLIENTS asyncio clients share
-REQUESTS streaming chat requests drawn from the demo corpus's held-out prompts, each with its
-task family's JSON schema as `response_format`, its free strings capped at MAX_STRING characters
-(the tiny demo models, decoding greedily, sometimes repeat inside a string until max_tokens; a
-cap is what a production schema would carry, and it makes every answer end). Stops after the last request or DEADLINE_S,
-whichever comes first, and prints one JSON object: requests, errors (HTTP failures, unfinished
-or schema-invalid answers), p50/p99 latency and time to first token, and total tokens/s.
+REQUESTS streaming chat requests drawn from the demo corpus's held-out prompts. Free strings of
+every schema are capped at MAX_STRING characters (the tiny demo models, decoding greedily,
+sometimes repeat inside a string until max_tokens; a cap is what a production schema would carry,
+and it makes every answer end). Workloads:
 
-    python benchmarks/serve_load.py [--clients 32] [--requests 96] [--deadline-s 60]
+- `schema` (default): independent requests, each with its task family's JSON schema as `response_format`;
+- `agent`: multi-turn conversations, TURNS requests each, as an agent sends them: every turn resends
+  the system prompt, the tool definitions and the conversation so far (earlier answers, tool calls
+  and their canned results) plus a new user message, so consecutive turns share ever longer prefixes
+  (what prefix caching saves). The model may call a tool (arguments checked against its parameters)
+  or answer with AGENT_ANSWER.
+
+Stops after the last request or DEADLINE_S, whichever comes first, and prints one JSON object:
+requests, errors (HTTP failures, unfinished or schema-invalid answers), p50/p99 latency and time to
+first token, prompt and completion tokens, and completion tokens/s.
+
+    python benchmarks/serve_load.py [--workload schema|agent] [--clients 32] [--requests 96] [--deadline-s 60]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import jsonschema
 from openai import AsyncOpenAI
 
-from tandem.demo.corpus import TASK_FAMILIES, generate_examples
+from tandem.demo.corpus import TASK_FAMILIES, TOOLS, generate_examples
 from tandem.serve.server import ServerThread, build_app
 
 MODEL = "demo-llama"
 MAX_TOKENS = 512
 MAX_STRING = 64
+TURNS = 4  # requests per agent conversation
+AGENT_SYSTEM = (
+    "You are a travel and office assistant. Use the tools for weather forecasts, currency conversion, "
+    "calendar events and web searches when they help; otherwise answer with a short summary. Keep answers brief."
+)
 
 
 def bounded(schema: Any) -> Any:
@@ -43,50 +59,117 @@ def bounded(schema: Any) -> Any:
     return out
 
 
-async def _one(client: AsyncOpenAI, example, results: list[dict]) -> None:
-    """One streaming request; appends {latency_s, ttft_s, tokens, error}."""
-    schema = bounded(TASK_FAMILIES[example.family].schema)
-    start, first, content, tokens, error = time.perf_counter(), None, "", 0, None
+AGENT_TOOLS = bounded(TOOLS)
+AGENT_ANSWER = bounded({"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]})
+
+
+async def _chat(client: AsyncOpenAI, results: list[dict], label: str, **request: Any) -> dict | None:
+    """One streaming chat request, checked: a tool call's arguments against the tool's parameters,
+    an answer against the request's schema. Appends {latency_s, ttft_s, prompt_tokens, tokens, error}
+    to `results`; returns the assistant message (None on an error)."""
+    schema = request["response_format"]["json_schema"]["schema"]
+    parameters = {tool["function"]["name"]: tool["function"]["parameters"] for tool in request.get("tools", [])}
+    start, first, content, calls, usage, error = time.perf_counter(), None, "", {}, None, None
     try:
         stream = await client.chat.completions.create(
             model=MODEL,
-            messages=example.messages,
             temperature=0,
             max_tokens=MAX_TOKENS,
             stream=True,
             stream_options={"include_usage": True},
-            response_format={"type": "json_schema", "json_schema": {"name": example.family, "schema": schema}},
+            **request,
         )
         finish = None
         async for chunk in stream:
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
+            usage = chunk.usage or usage
             for choice in chunk.choices:
                 first = first or time.perf_counter()
                 content += choice.delta.content or ""
+                for part in choice.delta.tool_calls or []:  # a call's id and name come first, its arguments piecewise
+                    call = calls.setdefault(part.index, {"id": part.id, "name": "", "arguments": ""})
+                    call["name"] += part.function.name or ""
+                    call["arguments"] += part.function.arguments or ""
                 finish = choice.finish_reason or finish
-        if finish != "stop":
+        if finish not in ("stop", "tool_calls"):
+            tokens = usage.completion_tokens if usage else "?"
             error = f"finish_reason {finish!r} after {tokens} tokens ({len(content)} answer characters)"
-        else:
+        for call in calls.values():
+            jsonschema.validate(json.loads(call["arguments"]), parameters[call["name"]])
+        if not calls and not error:
             jsonschema.validate(json.loads(content), schema)
     except Exception as e:  # every failure counts as an error of this request
         error = f"{type(e).__name__}: {e}"
-    error = error and f"{example.family}: {error}"
     end = time.perf_counter()
-    results.append({"latency_s": end - start, "ttft_s": (first or end) - start, "tokens": tokens, "error": error})
+    results.append(
+        {
+            "latency_s": end - start,
+            "ttft_s": (first or end) - start,
+            "prompt_tokens": usage.prompt_tokens if usage else 0,
+            "tokens": usage.completion_tokens if usage else 0,
+            "error": error and f"{label}: {error}",
+        }
+    )
+    if error:
+        return None
+    tool_calls = [
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in calls.values()
+    ]
+    return {"role": "assistant", "content": content or None, **({"tool_calls": tool_calls} if tool_calls else {})}
 
 
-async def _load(base_url: str, clients: int, requests: int, deadline_s: float) -> dict:
-    examples = generate_examples(requests, seed=1, split="heldout")
+def schema_requests(requests: int) -> list[Callable[[AsyncOpenAI, list[dict]], Awaitable[None]]]:
+    """The `schema` workload: one request per held-out example, under its family's schema."""
+
+    async def one(example, client: AsyncOpenAI, results: list[dict]) -> None:
+        schema = bounded(TASK_FAMILIES[example.family].schema)
+        response_format = {"type": "json_schema", "json_schema": {"name": example.family, "schema": schema}}
+        await _chat(client, results, example.family, messages=example.messages, response_format=response_format)
+
+    return [functools.partial(one, example) for example in generate_examples(requests, seed=1, split="heldout")]
+
+
+def agent_conversations(requests: int, turns: int) -> list[Callable[[AsyncOpenAI, list[dict]], Awaitable[None]]]:
+    """The `agent` workload: ceil(requests / turns) conversations of `turns` requests each; turn t adds
+    the t-th of the conversation's held-out user messages to everything sent before (and answered)."""
+    conversations = -(-requests // turns)
+    examples = generate_examples(conversations * turns, seed=1, split="heldout")
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": AGENT_ANSWER}}
+
+    async def converse(users: list[str], client: AsyncOpenAI, results: list[dict]) -> None:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": AGENT_SYSTEM}]
+        for turn, user in enumerate(users):
+            messages.append({"role": "user", "content": user})
+            reply = await _chat(
+                client,
+                results,
+                f"turn {turn + 1}",
+                messages=messages,
+                tools=AGENT_TOOLS,
+                response_format=response_format,
+            )
+            if reply is None:
+                return
+            messages.append(reply)
+            for call in reply.get("tool_calls", []):  # canned results: the benchmark measures the server
+                result = {"ok": True, "result": f"{call['function']['name']} done"}
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": json.dumps(result)})
+
+    users = [example.messages[-1]["content"] for example in examples]
+    return [functools.partial(converse, users[i : i + turns]) for i in range(0, len(users), turns)]
+
+
+async def _load(base_url: str, clients: int, jobs: list, deadline_s: float) -> dict:
+    """Run `jobs` (each a request or a conversation) on `clients` concurrent clients until done or the deadline."""
     queue: asyncio.Queue = asyncio.Queue()
-    for example in examples:
-        queue.put_nowait(example)
+    for job in jobs:
+        queue.put_nowait(job)
     results: list[dict] = []
     client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=deadline_s)
 
     async def worker() -> None:
         while not queue.empty():
-            await _one(client, queue.get_nowait(), results)
+            await queue.get_nowait()(client, results)
 
     start = time.perf_counter()
     try:
@@ -104,7 +187,6 @@ async def _load(base_url: str, clients: int, requests: int, deadline_s: float) -
         "model": MODEL,
         "clients": clients,
         "requests": len(results),
-        "planned": requests,
         "stopped": stopped,
         "errors": len(errors),
         "error_samples": errors[:3],
@@ -113,6 +195,7 @@ async def _load(base_url: str, clients: int, requests: int, deadline_s: float) -
         "ttft_p50_s": quantile(ttfts, 0.5),
         "ttft_p99_s": quantile(ttfts, 0.99),
         "mean_latency_s": round(statistics.fmean(latencies), 3) if latencies else None,
+        "prompt_tokens": sum(r["prompt_tokens"] for r in results),
         "completion_tokens": sum(r["tokens"] for r in results),
         "wall_s": round(wall, 2),
         "tokens_per_s": round(sum(r["tokens"] for r in results) / wall, 1),
@@ -121,13 +204,21 @@ async def _load(base_url: str, clients: int, requests: int, deadline_s: float) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("schema", "agent"), default="schema")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--turns", type=int, default=TURNS, help="agent workload: requests per conversation")
     parser.add_argument("--deadline-s", type=float, default=60.0)
     args = parser.parse_args()
+    if args.workload == "agent":
+        jobs = agent_conversations(args.requests, args.turns)
+    else:
+        jobs = schema_requests(args.requests)
     with ServerThread(build_app(MODEL, max_num_seqs=args.clients)) as server:
-        report = asyncio.run(_load(server.base_url, args.clients, args.requests, args.deadline_s))
-    print(json.dumps(report))
+        report = asyncio.run(_load(server.base_url, args.clients, jobs, args.deadline_s))
+    planned = len(jobs) * args.turns if args.workload == "agent" else len(jobs)
+    turns = {"turns": args.turns} if args.workload == "agent" else {}
+    print(json.dumps({"workload": args.workload, "planned": planned, **turns, **report}))
 
 
 if __name__ == "__main__":

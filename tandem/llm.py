@@ -12,6 +12,7 @@ from tandem.assets import ASSETS_DIR, DEFAULT_MODEL
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
 from tandem.engine import Engine, EngineConfig
 from tandem.engine.output import RequestOutput, StreamDelta
+from tandem.models import hub
 
 Prompt = str | Sequence[int]
 
@@ -19,10 +20,11 @@ Prompt = str | Sequence[int]
 class LLM:
     """A target model, an optional draft, a tokenizer and the engine that runs them.
 
-    model: "demo-deepseek" (the default) or "demo-llama" (shipped in tandem/assets), or a local
-        Hugging Face directory. draft: None (plain decoding), "eagle", "eagle3" (the draft shipped
-        next to the model, `<model>-<kind>`), "mtp" (the target checkpoint's own MTP layers),
-        "ngram", "suffix", or a local draft checkpoint directory.
+    model: "demo-deepseek" (the default) or "demo-llama" (shipped in tandem/assets), a local
+        Hugging Face directory or `.gguf` file, or a hub name "org/name" (`resolve_model`). draft: None
+        (plain decoding), "eagle", "eagle3" (the draft shipped next to the model, `<model>-<kind>`),
+        "mtp" (the target checkpoint's own MTP layers), "ngram", "suffix", a local draft checkpoint
+        directory or a hub name. revision: the hub revision (branch, tag or commit) of a hub model name.
     dtype: None = the checkpoint's dtype on a GPU, float32 on the CPU (faster there than bf16).
         A float32 model on the CPU keeps the matmul weights that bfloat16 holds exactly (all of a
         bfloat16 checkpoint's) in bfloat16 and widens them per call: the same results from half
@@ -32,6 +34,9 @@ class LLM:
         compiled graphs (CUDA graphs on a GPU, inductor on the CPU); "auto" picks per device type
         (:class:`tandem.engine.EngineConfig`).
     capture_sizes: the batch sizes graphs are built for (None: 1, 2, 4, ... up to max_num_seqs).
+    kv_cache_memory: bytes of paged KV cache, target and draft entries together (None: what max_num_seqs rows
+        of max_model_len take); block_size: positions per KV block; enable_prefix_caching: a prompt reuses
+        the cached blocks of its longest prefix seen before (`Engine.kv_stats` counts the hits).
     """
 
     def __init__(
@@ -48,13 +53,17 @@ class LLM:
         max_model_len: int | None = None,
         graph_mode: str = "auto",
         capture_sizes: Sequence[int] | None = None,
+        revision: str | None = None,
+        kv_cache_memory: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
     ) -> None:
         from transformers import AutoTokenizer
 
         from tandem.models.linear import narrow_exact_weights
-        from tandem.models.loading import load_draft, load_target
+        from tandem.models.loading import generation_eos_ids, load_draft, load_target
 
-        self.model_path = resolve_model(model)
+        self.model_path = resolve_model(model, revision)
         device = resolve_device(device)
         if dtype is None and torch.device(device).type == "cpu":
             dtype = torch.float32  # CPUs without native bf16 matmuls run a bf16 checkpoint faster in fp32
@@ -80,6 +89,10 @@ class LLM:
                 grammar_backend=grammar_backend,
                 graph_mode=graph_mode,
                 capture_sizes=None if capture_sizes is None else tuple(capture_sizes),
+                kv_cache_memory=kv_cache_memory,
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                eos_token_ids=generation_eos_ids(self.model_path),
             ),
         )
 
@@ -152,9 +165,20 @@ def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def resolve_model(model: str | Path) -> Path:
-    """A shipped demo name or a local directory with a config.json."""
-    path = ASSETS_DIR / str(model) if (ASSETS_DIR / str(model)).is_dir() else Path(model)
+def resolve_model(model: str | Path, revision: str | None = None) -> Path:
+    """The model directory a name means, tried in this order: a shipped demo name; a local directory
+    (with a config.json) or `.gguf` file (converted once into a cached directory); a hub name "org/name"
+    that is no local path (its snapshot at `revision`, from the cache or downloaded: `tandem.models.hub`)."""
+    if (ASSETS_DIR / str(model)).is_dir():
+        path = ASSETS_DIR / str(model)
+    elif str(model).endswith(".gguf") and Path(model).is_file():
+        from tandem.models.gguf import gguf_directory
+
+        return gguf_directory(Path(model))
+    elif hub.is_hub_name(str(model)):
+        path = hub.snapshot(str(model), revision)
+    else:
+        path = Path(model)
     if not (path / "config.json").is_file():
         shipped = sorted(p.name for p in ASSETS_DIR.iterdir() if (p / "config.json").is_file())
         raise FileNotFoundError(f"model {model!r}: no config.json in {path}; shipped models: {shipped}")
@@ -183,7 +207,8 @@ def best_draft(model_path: Path) -> str:
 
 
 def resolve_draft(draft: str, model_path: Path) -> str | Path:
-    """ "ngram", "suffix" and "mtp" pass through; "eagle"/"eagle3" mean the draft shipped beside the model."""
+    """ "ngram", "suffix" and "mtp" pass through; "eagle"/"eagle3" mean the draft shipped beside the model;
+    then a local draft directory, then a hub name "org/name" (its snapshot, `pytorch_model.bin` included)."""
     if draft in ("ngram", "suffix", "mtp"):
         return draft
     if draft in ("eagle", "eagle3"):
@@ -191,9 +216,11 @@ def resolve_draft(draft: str, model_path: Path) -> str | Path:
         if not (sibling / "config.json").is_file():
             raise FileNotFoundError(f"draft {draft!r}: no {sibling.name} beside {model_path}")
         return sibling
-    path = Path(draft)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"draft {draft!r}: not a kind (eagle, eagle3, mtp, ngram, suffix) nor a directory with config.json"
-        )
-    return path
+    if (Path(draft) / "config.json").is_file():
+        return Path(draft)
+    if hub.is_hub_name(draft):
+        return hub.snapshot(draft, files=hub.DRAFT_FILES)
+    raise FileNotFoundError(
+        f"draft {draft!r}: not a kind (eagle, eagle3, mtp, ngram, suffix), a directory with config.json "
+        "nor a hub name (org/name)"
+    )

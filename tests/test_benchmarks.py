@@ -1,7 +1,10 @@
 """The benchmark scripts' own logic: what they time and how they read a profiler trace."""
 
+import asyncio
+import copy
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 from unittest.mock import patch
 
 
@@ -49,3 +52,35 @@ def test_trace_summary_counts_copy_time_hidden_behind_other_streams_kernels():
         "7": {"copies": 1, "copy_us": 4, "overlapped_fraction": 0.0},
     }
     assert overlap.trace_summary({"traceEvents": []}) == {"kernels": 0}
+
+
+class _RecordingClient:
+    """An AsyncOpenAI stand-in: records each request and streams a schema-valid answer."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+
+    async def create(self, **request):
+        self.requests.append(copy.deepcopy(request))  # the agent appends to its messages afterwards
+
+        async def stream():
+            delta = SimpleNamespace(content='{"summary": "done"}', tool_calls=None)
+            yield SimpleNamespace(usage=None, choices=[SimpleNamespace(delta=delta, finish_reason="stop")])
+            yield SimpleNamespace(usage=SimpleNamespace(prompt_tokens=9, completion_tokens=5), choices=[])
+
+        return stream()
+
+
+def test_each_agent_turn_resends_the_conversation_so_far_plus_a_new_user_message():
+    serve_load = _script("serve_load")
+    (conversation,) = serve_load.agent_conversations(requests=3, turns=3)
+    client, results = _RecordingClient(), []
+    asyncio.run(conversation(client, results))
+    assert [r["error"] for r in results] == [None, None, None]
+    sent = [request["messages"] for request in client.requests]
+    assert sent[0][0] == {"role": "system", "content": serve_load.AGENT_SYSTEM}
+    for before, after in zip(sent, sent[1:]):
+        assert after[: len(before)] == before  # the shared prefix
+        assert [m["role"] for m in after[len(before) :]] == ["assistant", "user"]
+    assert all(request["tools"] == serve_load.AGENT_TOOLS for request in client.requests)

@@ -19,6 +19,7 @@ ABOVE_DECODING = (
     "tandem.engine",
     "tandem.serve",
     "tandem.demo",
+    "tandem.training",
     "tandem.cli",
     "tandem.llm",
 )
@@ -105,6 +106,12 @@ def test_the_math_imports_nothing_above_it():
 def test_the_leaf_imports_nothing_from_tandem():
     assert package_graph()["tandem.core"] == set()
     assert package_graph()["tandem.kernels"] <= {"tandem.core"}
+
+
+def test_training_sits_under_demo_and_cli():
+    """`tandem.training` (draft training) may import models, engine and llm; demo and cli import it."""
+    reached = {p for p in package_graph()["tandem.training"] if p in ("tandem.demo", "tandem.cli", "tandem.serve")}
+    assert not reached, f"tandem.training imports {sorted(reached)}"
 
 
 def test_the_checker_sees_function_level_imports(tmp_path):

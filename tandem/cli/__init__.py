@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("tandem.cli.acceptance_demo", "run the acceptance pipeline on a synthetic mixed batch"),
     "eval-schemas": ("tandem.cli.eval_schemas", "check grammar backends against MaskBench schemas"),
     "train-demo": ("tandem.cli.train_demo", "train the small demo models shipped in tandem/assets"),
+    "convert-gguf": ("tandem.cli.convert_gguf", "convert a llama.cpp GGUF file (Llama) into a Hugging Face directory"),
+    "train-draft": ("tandem.cli.train_draft", "train an EAGLE-3 / EAGLE draft for a Llama-family target"),
 }
 
 

@@ -61,6 +61,7 @@ GRAPH_STATS = ("compile_s", "graph_bytes", "fallbacks", "replays")  # read from 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=["demo-llama", "demo-deepseek"])
+    parser.add_argument("--revision", default=None, help="the hub revision (branch, tag or commit) of org/name models")
     parser.add_argument(
         "--drafts",
         nargs="+",
@@ -142,7 +143,7 @@ def _bench_model(model: str, args: argparse.Namespace, bar: tqdm) -> dict:
     from tandem.llm import LLM, available_drafts, chat_prompt_ids, resolve_model
     from tandem.models.loading import load_tokenizer
 
-    path = resolve_model(model)
+    path = resolve_model(model, args.revision)
     examples = generate_examples(args.prompts, seed=1, split="heldout")
     tokenizer = load_tokenizer(path)
     prompts = [chat_prompt_ids(tokenizer, ex.messages, ex.tools) for ex in examples]  # the same ids for every run
@@ -167,6 +168,7 @@ def _bench_model(model: str, args: argparse.Namespace, bar: tqdm) -> dict:
                         device=args.device,
                         dtype=DTYPES.get(args.dtype),
                         graph_mode=mode,
+                        revision=args.revision,
                     )
                     engines[draft or "none", k, relaxed is not None, mode] = llm
                     for constrained in (False, True):

@@ -27,8 +27,14 @@ def run(args: argparse.Namespace) -> int:
     from tandem.llm import LLM, best_draft, resolve_model
 
     schema = _read_schema(args.schema) if args.schema else None
-    draft = {"auto": best_draft(resolve_model(args.model)), "none": None}.get(args.draft, args.draft)
-    llm = LLM(args.model, draft, num_speculative_tokens=args.num_speculative_tokens, graph_mode=args.graph_mode)
+    draft = {"auto": best_draft(resolve_model(args.model, args.revision)), "none": None}.get(args.draft, args.draft)
+    llm = LLM(
+        args.model,
+        draft,
+        num_speculative_tokens=args.num_speculative_tokens,
+        graph_mode=args.graph_mode,
+        revision=args.revision,
+    )
     params = SamplingParams(
         temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens, json_schema=schema
     )

@@ -9,9 +9,16 @@ from tandem.engine.graphs import GRAPH_MODES
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--model`, `--draft`, `-k` and `--graph-mode`: the target, its draft, the drafts per step and
-    how steps run."""
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="demo-deepseek, demo-llama or a local HF directory")
+    """`--model`, `--revision`, `--draft`, `-k` and `--graph-mode`: the target (and its hub revision), its
+    draft, the drafts per step and how steps run."""
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="demo-deepseek, demo-llama, a local HF directory or .gguf file, or org/name",
+    )
+    parser.add_argument(
+        "--revision", default=None, help="the hub revision (branch, tag or commit) of an org/name model"
+    )
     parser.add_argument(
         "--draft",
         default="auto",

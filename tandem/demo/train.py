@@ -13,18 +13,14 @@ demo-deepseek (inside its checkpoint).
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
-import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 from transformers import (
     AutoTokenizer,
     DeepseekV3Config,
@@ -34,14 +30,14 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    get_cosine_schedule_with_warmup,
 )
 
 from tandem.demo.corpus import Example, iter_examples
 from tandem.demo.evaluate import evaluate_heldout, prompt_text
 from tandem.demo.tokenizer import DEFAULT_VOCAB_SIZE, save_tokenizer, train_tokenizer
+from tandem.training.data import IGNORE_INDEX, batch_rows
+from tandem.training.trainer import LossFn, Trainer, loss_summary
 
-IGNORE_INDEX = -100  # label of tokens without loss (prompt, padding)
 SETTINGS_FILE = "tandem_demo.json"
 BF16_MIN_AGREEMENT = 0.99  # greedy teacher-forced agreement bf16 vs fp32 needed to ship bf16
 
@@ -178,37 +174,9 @@ def iter_batches(
     return batch_rows(rows, tokenizer.pad_token_id, batch_size, seed, bucket)
 
 
-def batch_rows(
-    rows: Iterator[tuple[list[int], list[int]]], pad_id: int, batch_size: int, seed: int, bucket: int = 8
-) -> Iterator[dict[str, torch.Tensor]]:
-    """Right-padded batches of (input_ids, labels) rows: input_ids, labels, attention_mask, each [B, T] int64.
-
-    Rows are drawn `bucket` batches at a time and grouped by length (less padding); the
-    batches of a bucket come out in a seeded random order. Ends when `rows` does.
-    """
-    order = random.Random(seed)
-    while pool := sorted(itertools.islice(rows, batch_size * bucket), key=lambda r: len(r[0])):
-        groups = [pool[i : i + batch_size] for i in range(0, len(pool), batch_size)]
-        order.shuffle(groups)
-        yield from (_pad_batch(group, pad_id) for group in groups)
-
-
-def _pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    batch_size, width = len(rows), max(len(ids) for ids, _ in rows)
-    batch = {
-        name: torch.full((batch_size, width), fill, dtype=torch.long)
-        for name, fill in [("input_ids", pad_id), ("labels", IGNORE_INDEX), ("attention_mask", 0)]
-    }
-    for row, (ids, labels) in enumerate(rows):
-        batch["input_ids"][row, : len(ids)] = torch.tensor(ids)
-        batch["labels"][row, : len(ids)] = torch.tensor(labels)
-        batch["attention_mask"][row, : len(ids)] = 1
-    return batch
-
-
-def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The HF model's own next-token loss on `batch` (labels included)."""
-    return model(**batch).loss
+def causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
+    """The HF model's own next-token loss on `batch` (labels included); no per-depth agreement."""
+    return model(**batch).loss, []
 
 
 def train_model(
@@ -216,29 +184,19 @@ def train_model(
     batches: Iterator[dict[str, torch.Tensor]],
     settings: TrainSettings,
     desc: str,
-    loss_fn: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor] = causal_lm_loss,
+    loss_fn: LossFn = causal_lm_loss,
 ) -> list[float]:
-    """AdamW with warmup + cosine decay for `settings.steps` on the parameters that require grad;
-    returns the loss of every step."""
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.95))
-    schedule = get_cosine_schedule_with_warmup(optimizer, settings.warmup_steps, settings.steps)
-    losses: list[float] = []
-    progress = tqdm(range(settings.steps), desc=desc, unit="step", dynamic_ncols=True)
-    for _ in progress:
-        loss = loss_fn(model, next(batches))
-        if not math.isfinite(loss.item()):
-            raise RuntimeError(f"{desc}: loss became {loss.item()} at step {len(losses)}")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        progress.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
-    model.eval()
-    return losses
+    """`settings.steps` steps of :class:`tandem.training.trainer.Trainer` on the parameters that require
+    grad; returns the loss of every step."""
+    trainer = Trainer(
+        model,
+        steps=settings.steps,
+        lr=settings.lr,
+        warmup_steps=settings.warmup_steps,
+        weight_decay=settings.weight_decay,
+    )
+    trainer.run(lambda _: next(batches), loss_fn, desc)
+    return trainer.losses
 
 
 @torch.no_grad()
@@ -289,17 +247,6 @@ def train_target(
     }
     (out_dir / SETTINGS_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return record
-
-
-def summary_window(num_steps: int) -> int:
-    """How many first/last steps the start/end figures of a training record average over."""
-    return max(1, min(20, num_steps // 5))
-
-
-def loss_summary(losses: list[float]) -> dict[str, float]:
-    """`loss_start` / `loss_end` of a training record: the mean loss of the first / last steps."""
-    window = summary_window(len(losses))
-    return {"loss_start": round(sum(losses[:window]) / window, 4), "loss_end": round(sum(losses[-window:]) / window, 4)}
 
 
 def load_or_train_tokenizer(out_dir: Path, size: str, retrain: bool) -> PreTrainedTokenizerBase:

@@ -38,25 +38,22 @@ def forced_draft_probs(probs: torch.Tensor | None, drafts: list[int], forced: li
     return out
 
 
-def verify_batch(rows: list[Request], k: int, device: torch.device) -> ForwardBatch:
+def verify_batch(rows: list[Request], k: int, held: list[int], device: torch.device) -> ForwardBatch:
     """The ragged verify batch; its logits indices keep ``k + 1`` rows per request (``[B * (k+1)]``).
 
-    A new row feeds its whole prompt; a running row feeds ``[t_last, *drafts]`` from position
-    ``len(tokens) - 1`` (its cache holds everything before ``t_last``). A row with fewer than k
-    drafts repeats its last verify position's index to fill its k + 1.
+    Row ``b`` feeds its tokens from position ``held[b]`` (what its target cache holds) and its drafts: a
+    running row ``[t_last, *drafts]`` from ``len(tokens) - 1``; a new row its whole prompt, or what follows a
+    reused prefix; a preempted row its prompt and generated tokens again. A row with fewer than k drafts
+    repeats its last verify position's index to fill its k + 1.
     """
-    ids, starts, lengths, logit_index = [], [], [], []
-    for r in rows:
-        if r.is_new:
-            feed, start = r.tokens, 0
-        else:
-            feed, start = [r.tokens[-1], *r.drafts], len(r.tokens) - 1
+    ids, lengths, logit_index = [], [], []
+    for r, start in zip(rows, held):
+        feed = [*r.tokens[start:], *r.drafts]
         first_logit = len(ids) + len(feed) - 1 - len(r.drafts)  # the position of t_last
         logit_index.extend(first_logit + min(j, len(r.drafts)) for j in range(k + 1))
         ids.extend(feed)
-        starts.append(start)
         lengths.append(len(feed))
-    spans = RowSpans(starts, lengths, [r.slot for r in rows])
+    spans = RowSpans(list(held), lengths, [r.slot for r in rows])
     return ForwardBatch.build(int64_tensor(ids, device), spans, logits_indices=int64_tensor(logit_index, device))
 
 

@@ -20,7 +20,11 @@ One `step()` runs, for every running row (docs/DESIGN.md, "The speculative step"
            draft which tokens each position allows), rows with penalties or logit biases draft
            with them applied
 
-Before the step, `Scheduler.admit` moves waiting requests whose grammar has compiled into free slots.
+Before the step, `Scheduler.schedule` grows every running row's KV blocks to what the step writes
+(preempting the latest admitted rows when the pool runs out) and admits waiting requests whose grammar
+has compiled while their blocks fit (`kv_blocks`: a paged cache, one pool of blocks for the target's
+and the draft's entries, with automatic prefix caching). After propose, each live row registers its
+full committed blocks for reuse and gives back the blocks past its committed tokens.
 
 Adaptive speculation (`EngineConfig.adaptive`, on by default): before each propose, `adaptive.AdaptivePolicy`
 chooses every row's drafts for the next verify (0..k) from its acceptance so far and the verify cost
@@ -33,7 +37,9 @@ tokenizer are set to -inf in the verify logits and in a grammar-following draft'
 the padded columns, nothing when there are none), for every row, grammar or not.
 
 Cache invariant: a row's target KV cache holds positions 0 .. len(tokens) - 2; its last
-committed token is always fed again as t_last by the next step.
+committed token is always fed again as t_last by the next step. A new row's cache holds its reused
+prefix but its last position, which the prefill runs again (its hidden state is not cached); a
+preempted row's holds nothing until it is prefilled again.
 
 Threads: on the CPU a step of at most `SMALL_STEP_TOKENS` tokens (decode, verify, drafting) runs
 with `EngineConfig.small_step_threads` torch threads, one by default; longer steps (prefills) keep
@@ -70,6 +76,7 @@ from tandem.engine import sampling
 from tandem.engine.adaptive import AdaptivePolicy, CostModel
 from tandem.engine.batching import draft_batch, forced_draft_probs, padded_drafts, verify_batch
 from tandem.engine.graphs import GraphRunner, resolve_capture_sizes, resolve_graph_mode
+from tandem.engine.kv_blocks import BlockPool, KVStats
 from tandem.engine.mask_pipeline import MaskPipeline
 from tandem.engine.masks import StepMasks
 from tandem.engine.output import RequestOutput, StreamDelta, TextAssembler, stream_delta
@@ -80,7 +87,7 @@ from tandem.grammars.closing import Closer
 from tandem.grammars.compiler import CompileJob, GrammarCompiler
 from tandem.grammars.masks import MaskWalk, SpeculativeMasker
 from tandem.grammars.tokenizer import GrammarTokenizer
-from tandem.models.base import DraftInput, ForwardBatch, RowSpans
+from tandem.models.base import BlockTable, DraftInput, ForwardBatch, RowSpans
 
 SMALL_STEP_TOKENS = 16  # a step of at most this many tokens runs on `EngineConfig.small_step_threads`
 
@@ -88,8 +95,11 @@ SMALL_STEP_TOKENS = 16  # a step of at most this many tokens runs on `EngineConf
 @dataclass
 class EngineConfig:
     num_speculative_tokens: int = 4
-    max_num_seqs: int = 8  # rows decoded together; also the number of KV-cache slots
-    max_model_len: int = 1024  # tokens per row (prompt + generated), the size of one slot
+    max_num_seqs: int = 8  # rows decoded together (the block table's rows)
+    max_model_len: int = 1024  # tokens per row (prompt + generated)
+    kv_cache_memory: int | None = None  # bytes of KV blocks, target and draft (None: max_num_seqs full rows)
+    block_size: int = 16  # positions per KV block
+    enable_prefix_caching: bool = True  # reuse the cached blocks of a prompt's longest registered prefix
     relaxed: RelaxedAcceptance | None = None  # relaxed acceptance inside <think>…</think>
     grammar_backend: str = "auto"  # xgrammar | llguidance | outlines | auto
     grammar_timeout_s: float = 30.0  # a grammar still compiling after this fails its request
@@ -100,6 +110,7 @@ class EngineConfig:
     closing_window: int = 64  # a grammar row this near max_tokens gets closing masks (0: never)
     graph_mode: str = "auto"  # eager | compiled | auto (engine/graphs.py)
     capture_sizes: tuple[int, ...] | None = None  # batch buckets graphs are built for (None: 1, 2, 4, .. max_num_seqs)
+    eos_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS: generation_config.json's (engine/stop.py)
 
 
 class Engine:
@@ -115,7 +126,7 @@ class Engine:
         self.max_drafts = self.k + (config.max_forced_drafts if self.forced_drafts else 0)  # the widest verify - 1
         self.grammar_tokenizer = GrammarTokenizer(tokenizer, target.vocab_size)
         self.compiler = GrammarCompiler(timeout_s=config.grammar_timeout_s)
-        self._eos = eos_ids(tokenizer)
+        self._eos = eos_ids(tokenizer, config.eos_token_ids)
         self._markers = thinking_markers(tokenizer)
         closer = (
             Closer.for_tokenizer(tokenizer, target.vocab_size, sorted(self._eos), window=config.closing_window)
@@ -141,15 +152,22 @@ class Engine:
         self.graph_mode = resolve_graph_mode(config.graph_mode, self.device)
         capture_sizes = resolve_capture_sizes(config.capture_sizes, config.max_num_seqs)
         num_slots = config.max_num_seqs + (GraphRunner.SCRATCH_SLOTS if self.graph_mode == "compiled" else 0)
-        self.target_cache = target.new_cache(num_slots, config.max_model_len)
-        self.draft_cache = draft.new_cache(num_slots, config.max_model_len) if draft is not None else None
+        # One-position caches of each model say what a position takes and whether the draft keeps a cache.
+        probes = [target.new_cache(1, 1), None if draft is None else draft.new_cache(1, 1)]
+        num_blocks = self._num_blocks(sum(c.bytes_per_position for c in probes if c is not None))
+        table = BlockTable(num_slots, config.max_model_len, config.block_size, num_blocks, self.device)
+        self.target_cache = target.new_cache(num_slots, config.max_model_len, table=table)
+        self.draft_cache = None if probes[1] is None else draft.new_cache(num_slots, config.max_model_len, table=table)
+        self.blocks = BlockPool(table, enable_prefix_caching=config.enable_prefix_caching)
         self.runner = None
         if self.graph_mode == "compiled":
             widths = {1, self.k + 1, self.max_drafts + 1}  # decode; verify and a draft's first pass; forced runs
             self.runner = GraphRunner(
                 target, self.target_cache, draft, self.draft_cache, widths=widths, capture_sizes=capture_sizes
             )
-        self.scheduler = Scheduler(config.max_num_seqs, self.masker, self.target_cache, self._markers)
+        self.scheduler = Scheduler(
+            config.max_num_seqs, self.masker, self.target_cache, self._markers, self.blocks, self._reserve
+        )
         self._ids = itertools.count()
         # A model whose embedding rows are padded past the tokenizer: ids >= vocab_limit are never emitted
         # nor drafted (`_mask_padding`), whatever else is in the batch.
@@ -204,6 +222,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def kv_stats(self) -> KVStats:
+        """The KV block pool's counters: blocks total, in use and cached, prefix-cache lookups and hits, preemptions."""
+        return self.blocks.stats(self.scheduler.preemptions)
+
     def pop_finished(self, request_id: str) -> RequestOutput | None:
         """The output of a finished request, handed over once (None while it runs)."""
         return self.scheduler.pop_finished(request_id)
@@ -212,14 +234,14 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StreamDelta]:
         """One unified step over all running rows; returns what each touched request gained."""
-        self.scheduler.admit()
+        self.scheduler.schedule()
         rows = list(self.scheduler.running)
         if not rows:
             if self.scheduler.waiting:  # only grammars still compiling: yield the CPU to their workers
                 time.sleep(0.001)
             return []
         k = self._step_k(rows)
-        batch = verify_batch(rows, k, self.device)
+        batch = verify_batch(rows, k, [self.target_cache.lengths[r.slot] for r in rows], self.device)
         self._step_started = time.perf_counter()
         with torch_threads(self._threads_for(batch)):
             return self._run_step(rows, batch, k)
@@ -232,6 +254,28 @@ class Engine:
         (with it, 0 is the plain step)."""
         longest = max((len(r.drafts) for r in rows), default=0)
         return longest if self._adaptive() else max(longest, self.k)
+
+    def _num_blocks(self, position_bytes: int) -> int:
+        """The pool's blocks (the scratch block included): what `kv_cache_memory` holds at `position_bytes` a
+        position (target and draft entries), at least one full row."""
+        config = self.config
+        per_row = -(-config.max_model_len // config.block_size)
+        if config.kv_cache_memory is None:
+            return config.max_num_seqs * per_row + 1
+        block_bytes = config.block_size * position_bytes
+        num_blocks = config.kv_cache_memory // block_bytes
+        if num_blocks < per_row:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory} holds {num_blocks} blocks of {block_bytes} bytes; one row "
+                f"of max_model_len={config.max_model_len} needs {per_row} ({per_row * block_bytes} bytes)"
+            )
+        return num_blocks + 1
+
+    def _reserve(self, r: Request) -> int:
+        """The positions `r`'s next step writes: its verify's (tokens and drafts) and, for a draft with a cache,
+        the next proposal's (up to k past the tokens the verify commits)."""
+        ahead = self.k if self.draft_cache is not None else 0
+        return min(len(r.tokens) + len(r.drafts) + ahead, self.config.max_model_len)
 
     def _mask_padding(self, logits: torch.Tensor, *_) -> torch.Tensor:
         """`logits [..., V]` with the ids past the tokenizer at -inf, in place (nothing when V fits it)."""
@@ -247,9 +291,12 @@ class Engine:
         a slot. In graph mode the forwards go through the runner: the cost model reads the graphs' times,
         and the warm-up builds those shapes' graphs at start rather than at the first requests."""
         prefix, k = 8, self.k
-        rows = max(1, min(self.config.max_num_seqs, SMALL_STEP_TOKENS // (k + 1)))
         if prefix + k + 1 > self.config.max_model_len:
             prefix = 1
+        per_row = self.blocks.blocks_for(prefix + k + 1)
+        rows = max(1, min(self.config.max_num_seqs, SMALL_STEP_TOKENS // (k + 1), self.blocks.num_free // per_row))
+        for slot in range(rows):
+            self.blocks.grow(slot, prefix + k + 1)
         token = self.tokenizer.eos_token_id or 0
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
 
@@ -284,6 +331,8 @@ class Engine:
                     total = num_rows * per_row
                     points[total] = min(points.get(total, float("inf")), *times[1:])
             self.target_cache.truncate(list(range(rows)), [0] * rows)
+            for slot in range(rows):
+                self.blocks.release(slot)
         tokens = sorted(points)
         return CostModel(tokens, [points[t] for t in tokens])
 
@@ -300,7 +349,8 @@ class Engine:
 
     def _run_step(self, rows: list[Request], batch: ForwardBatch, k: int) -> list[StreamDelta]:
         """Steps 2-6 of the module docstring over `rows`, merged into `batch` with k positions per row."""
-        prefill = any(r.is_new for r in rows)  # a prefill's time says nothing of a verify's
+        # A prefill's time says nothing of a verify's.
+        prefill = any(start < len(r.tokens) - 1 for r, start in zip(rows, batch.spans.starts))
         all_drafts = padded_drafts(rows, self.k)  # [B, >= k] host: the masks cover k whatever this step verifies
         pending_masks = self.step_masks.submit(rows, all_drafts)
         want_hidden = self.draft is not None and self.draft.hidden_kind is not None
@@ -322,6 +372,10 @@ class Engine:
             self.policy.cost.observe(batch.num_tokens, time.perf_counter() - self._step_started)
         if self.draft is not None:
             self._propose([r for r in rows if r.output.finish_reason is None], rows, out, batch)
+        for r in rows:
+            if r.slot >= 0:  # live: both caches hold its committed entries (finished rows gave their blocks back)
+                self.blocks.register(r.slot, r.tokens, len(r.tokens) - 1)
+                self.blocks.trim(r.slot, len(r.tokens))
         return deltas
 
     def _accept(

@@ -4,22 +4,23 @@ A step of ``B`` rows with at most ``Q`` tokens each is padded to a bucket: ``B``
 capture size (``EngineConfig.capture_sizes``, default 1, 2, 4, ... ``max_num_seqs``), ``Q`` up to the
 next static width (1, or ``k + 1`` for a verify and a draft's first pass over newly committed
 tokens). Each ``(bucket, width)`` gets one graph, built on first use, that reads persistent buffers
-(token ids, positions, write slots, row slots, the draft's hidden inputs) which every step fills,
-so a graph reads the same addresses at every replay. The body is the providers' tensor half
-(``Target.forward_layout``, a chained draft's ``step_layout``) over
-:meth:`~tandem.models.attention.RaggedLayout.static`: writes scattered, each row's keys masked by
-position. Padding rows read, and padding tokens write, one scratch slot past the engine's
-(``GraphRunner.SCRATCH_SLOTS``), so they never touch a real row's cache.
+(token ids, positions, write indices, row slots, the draft's hidden inputs, and the caches' block
+table) which every step fills, so a graph reads the same addresses at every replay. The body is the
+providers' tensor half (``Target.forward_layout``, a chained draft's ``step_layout``) over
+:meth:`~tandem.models.attention.RaggedLayout.static`: writes scattered through the block table, each
+row's blocks gathered and its keys masked by position. Padding rows read a scratch slot past the
+engine's (``GraphRunner.SCRATCH_SLOTS``), whose table holds only the scratch block, and padding
+tokens write the scratch block, so they never touch a real row's cache.
 
 - CUDA: one ``torch.cuda.CUDAGraph`` per shape, captured (over eager kernels) after an eager warm-up
-  and one on a side stream, every graph in one memory pool; the key window is the whole slot (a
-  graph's shapes are fixed).
+  and one on a side stream, every graph in one memory pool; the key window is a row's whole block
+  table (a graph's shapes are fixed).
 - CPU: ``torch.compile(fullgraph=True)`` per shape and torch thread count (backend ``inductor``, or
   ``$TANDEM_COMPILE_BACKEND``: tests use ``aot_eager`` or ``eager``), its generated code kept in a persistent
   cache (``$TORCHINDUCTOR_CACHE_DIR``, default ``~/.cache/tandem/inductor``) so a restart does not
-  compile from scratch. The key window is each step's (its rows' furthest position), one dynamic
-  size in the graph: attending over a whole 4096-position slot costs a small model more than its
-  weights on the CPU.
+  compile from scratch. The key window is each step's (the blocks up to its rows' furthest position),
+  one dynamic size in the graph: attending over a whole 4096-position row costs a small model more
+  than its weights on the CPU.
 
 Prefill stays eager: a prompt's length is unbounded, so one graph per length (or per padded length
 bucket, each a full compile) would cost more than the host overhead it removes from a forward that
@@ -88,7 +89,7 @@ class GraphRunner:
         replays: forwards and draft steps that ran a graph.
     """
 
-    SCRATCH_SLOTS = 1  # cache slots past max_num_seqs that the engine allocates for padding
+    SCRATCH_SLOTS = 1  # block-table rows past max_num_seqs that the engine allocates for padding rows
 
     def __init__(
         self,
@@ -111,12 +112,11 @@ class GraphRunner:
         self.cuda = self.device.type == "cuda"
         self.buckets, self.widths = tuple(sorted(capture_sizes)), tuple(sorted(set(widths)))
         self.scratch = target_cache.num_slots - self.SCRATCH_SLOTS
-        self.max_len = target_cache.max_len
+        self.table = target_cache.table
         self.backend = backend or os.environ.get(BACKEND_ENV, "inductor")
         tokens = self.buckets[-1] * self.widths[-1]
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         self.plan = torch.zeros(2 * tokens + self.buckets[-1], dtype=torch.int64, device=self.device)
-        self.key_positions = torch.arange(self.max_len, device=self.device)
         chained = draft is not None and draft_cache is not None and hasattr(draft, "step_layout")
         self.draft_step = self._draft_step if chained else None  # DraftInput.step: None keeps the draft's own
         dtype = target_cache.layers[0].dtype  # the target's: its hidden states fill the draft's input buffer
@@ -178,20 +178,24 @@ class GraphRunner:
         """Fill the buffers for ``batch`` padded to ``shape``; returns each token's index in the grid ``[T]``
         (None when the batch fills the grid in order). One host-to-device copy, no device read.
 
-        A padding token repeats its row's last position and writes to the scratch slot; a padding
-        row reads the scratch slot at ``first_position``, the one key it writes there itself."""
-        (rows, width), spans, scratch = shape, batch.spans, self.scratch
-        positions, write_slots, grid = [], [], []
+        A padding token repeats its row's last position and writes to the scratch block; a padding
+        row reads the scratch slot's blocks (the scratch block) at ``first_position``, the one key it
+        writes there itself."""
+        (rows, width), spans, table = shape, batch.spans, self.table
+        scratch = table.scratch_block * table.block_size
+        positions, writes, grid = [], [], []
         for b, (start, n, slot) in enumerate(zip(spans.starts, spans.lengths, spans.slots)):
             positions += [start + min(j, n - 1) for j in range(width)]
-            write_slots += [slot] * n + [scratch] * (width - n)
+            writes += [table.flat_index(slot, p) for p in range(start, start + n)]
+            writes += [scratch + (start + n - 1) % table.block_size] * (width - n)
             grid += range(b * width, b * width + n)
         padding = (rows - len(spans.slots)) * width
         positions += [first_position] * padding
-        write_slots += [scratch] * padding
-        slots = spans.slots + [scratch] * (rows - len(spans.slots))
+        writes += [scratch + first_position % table.block_size] * padding
+        slots = spans.slots + [self.scratch] * (rows - len(spans.slots))
         in_order = len(grid) == rows * width
-        host = int64_tensor(positions + write_slots + slots + ([] if in_order else grid), self.device)
+        table.sync()
+        host = int64_tensor(positions + writes + slots + ([] if in_order else grid), self.device)
         size = 2 * rows * width + rows
         self.plan[:size].copy_(host[:size])
         ids = self.input_ids[: rows * width]
@@ -206,8 +210,8 @@ class GraphRunner:
     def _target_body(self, return_hidden: bool, return_aux: bool) -> Callable:
         target = self.target
 
-        def body(input_ids, positions, write_slots, slots, keys, layers, key_start: int):
-            layout = RaggedLayout.static(positions, write_slots, slots, key_start, keys.shape[0])
+        def body(input_ids, positions, write_index, slots, tables, layers, key_start: int, block_size: int):
+            layout = RaggedLayout.static(positions, write_index, tables.index_select(0, slots), key_start, block_size)
             out = target.forward_layout(layout, input_ids, positions.flatten(), layers, None, return_hidden, return_aux)
             return out.logits, out.hidden, out.aux_hidden
 
@@ -216,8 +220,8 @@ class GraphRunner:
     def _draft_body(self) -> Callable:
         draft = self.draft
 
-        def body(input_ids, positions, write_slots, slots, keys, layers, key_start: int, hidden):
-            layout = RaggedLayout.static(positions, write_slots, slots, key_start, keys.shape[0])
+        def body(input_ids, positions, write_index, slots, tables, layers, key_start: int, block_size: int, hidden):
+            layout = RaggedLayout.static(positions, write_index, tables.index_select(0, slots), key_start, block_size)
             return draft.step_layout(layout, input_ids, positions.flatten(), hidden, layers)
 
         return body
@@ -225,12 +229,13 @@ class GraphRunner:
     def _run(self, key: tuple, body: Callable, batch: ForwardBatch, shape: tuple[int, int], cache: KVCache, extra):
         """Run ``key``'s graph of ``body`` over the buffers (building it on first use); returns its outputs.
 
-        The key window: a CUDA graph's is fixed, the whole slot; a compiled CPU graph's is the rows' furthest
-        position, at least two keys (a size of 1 would specialise the graph). A compiled graph is specialised
-        to the torch threads it ran with (the engine runs larger steps on more), so they are part of its key."""
-        start = cache.first_position
-        end = self.max_len if self.cuda else min(max(max(batch.spans.ends()), start + 2), self.max_len)
-        args = self._args(shape, cache, end, extra)
+        The key window: a CUDA graph's is fixed, every row's whole block table; a compiled CPU graph's is the
+        blocks up to the rows' furthest position, at least two (a size of 1 would specialise the graph). A
+        compiled graph is specialised to the torch threads it ran with (the engine runs larger steps on more),
+        so they are part of its key."""
+        table = self.table
+        blocks = min(max(-(-max(batch.spans.ends()) // table.block_size), 2), table.max_blocks)
+        args = self._args(shape, cache, table.max_blocks if self.cuda else blocks, extra)
         if not self.cuda:
             key = (*key, torch.get_num_threads())
         graph = self._graphs.get(key)
@@ -238,27 +243,27 @@ class GraphRunner:
             self.replays += 1
             return graph(args)
         began = time.perf_counter()
-        # Warm-up over the whole slot: state built on demand (the rotary tables, to max_len) exists before
+        # Warm-up over whole rows: state built on demand (the rotary tables, to max_len) exists before
         # tracing or capture, and no later eager step (a longer prefill) rebuilds what a graph reads.
-        body(*self._args(shape, cache, self.max_len, extra))
+        body(*self._args(shape, cache, table.max_blocks, extra))
         self._graphs[key], out = self._build(body, args)
         self.compile_s += time.perf_counter() - began
         return out
 
-    def _args(self, shape: tuple[int, int], cache: KVCache, end: int, extra: tuple) -> tuple:
-        """A body's arguments: views of the buffers for ``shape``, keys ``first_position .. end - 1``."""
+    def _args(self, shape: tuple[int, int], cache: KVCache, blocks: int, extra: tuple) -> tuple:
+        """A body's arguments: views of the buffers for ``shape``, each row's first ``blocks`` blocks."""
         rows, width = shape
         tokens = rows * width
         plan = self.plan
-        start = cache.first_position
         return (
             self.input_ids[:tokens],
             plan[:tokens].view(rows, width),
             plan[tokens : 2 * tokens],
             plan[2 * tokens : 2 * tokens + rows],
-            self.key_positions[start:end],
+            self.table.tensor[:, :blocks],
             cache.layers,
-            start,
+            cache.first_position,
+            self.table.block_size,
             *extra,
         )
 
@@ -269,7 +274,7 @@ class GraphRunner:
 
             def run(current: tuple):
                 # Marked at every call: a graph dynamo ever rebuilds (a guard failed) keeps the window dynamic.
-                torch._dynamo.maybe_mark_dynamic(current[4], 0)
+                torch._dynamo.maybe_mark_dynamic(current[4], 1)
                 with _static_shapes():
                     return compiled(*current)
 

@@ -50,6 +50,7 @@ class RequestOutput:
     stats: GenerationStats = field(default_factory=GenerationStats)
     error: str | None = None  # why a request failed before generating (finish_reason "error")
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, if SamplingParams.logprobs asked
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
 
     @property
     def finished(self) -> bool:

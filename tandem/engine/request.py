@@ -42,10 +42,6 @@ class Request:
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.prompt)
 
-    @property
-    def is_new(self) -> bool:
-        return self.num_generated == 0
-
 
 def validate(prompt: list[int], params: SamplingParams, *, max_model_len: int, k: int, vocab_size: int) -> None:
     """Raise PromptTooLongError if the prompt leaves no room for one step (its k + 1 tokens are reserved
@@ -66,7 +62,7 @@ def validate(prompt: list[int], params: SamplingParams, *, max_model_len: int, k
 
 
 def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
-    """The request's constraint as a GrammarSpec; `grammar` is GBNF/EBNF if it has `::=`, else Lark.
+    """The request's constraint as a GrammarSpec; `grammar` is GBNF/EBNF when it parses as such, else Lark.
     A JSON schema's whitespace is bounded by `params.json_whitespace`."""
     if params.json_schema is not None:
         return GrammarSpec.json_schema(params.json_schema, whitespace=params.json_whitespace)
@@ -75,7 +71,7 @@ def grammar_spec(params: SamplingParams) -> GrammarSpec | None:
     if params.choice is not None:
         return GrammarSpec.choice(params.choice)
     if params.grammar is not None:
-        return GrammarSpec.ebnf(params.grammar) if "::=" in params.grammar else GrammarSpec.lark(params.grammar)
+        return GrammarSpec.grammar(params.grammar)
     return None
 
 

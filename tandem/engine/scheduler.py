@@ -1,15 +1,26 @@
-"""Admission and slots: the waiting and running requests, and the outputs of finished ones.
+"""Admission, KV blocks and preemption: the waiting and running requests, and the outputs of finished ones.
 
-A request waits until its grammar has compiled and a slot is free. Admission goes in arrival order,
-but a request still compiling does not hold back the ones behind it; it gives the request a slot
-(its rows of the target's KV cache, reset) and a row of the masker (its matcher, and a thinking
-tracker over its prompt). A grammar that failed to compile finishes its request with "error"
-before it runs. Finishing (a stop rule, an abort) frees the slot and the masker row; the output
-waits for `pop_finished`.
+A request waits until its grammar has compiled, a row (a slot of the block table) is free and the
+block pool can hold its tokens and the step's writes. Admission goes in arrival order (a preempted
+request first), but a request still compiling does not hold back the ones behind it; a request that
+does not fit the pool does (it would never fit if later ones kept taking blocks). Admission gives
+the request a slot, the cached blocks of its longest registered prefix (``kv_blocks``) and a row of
+the masker (its matcher, and a thinking tracker over its prompt). A grammar that failed to compile
+finishes its request with "error" before it runs.
+
+Before each step every running row grows to the positions the step writes (:meth:`Scheduler.schedule`);
+when the pool cannot supply a row, the most recently admitted row is preempted: its blocks are freed
+and it waits at the front of the queue, to be prefilled again over its prompt and the tokens it
+generated (so greedy output is unchanged) and go on where it stopped; its masker row stays.
+Finishing (a stop rule, an abort) frees the slot, the blocks and the masker row; the output waits
+for `pop_finished`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from tandem.engine.kv_blocks import BlockPool
 from tandem.engine.output import RequestOutput, finish_output
 from tandem.engine.request import Request, thinking_tracker
 from tandem.grammars.errors import GrammarError
@@ -20,16 +31,28 @@ from tandem.thinking import ThinkingMarkers
 
 class Scheduler:
     """Which requests wait, which run, and in which slot. `running` is in admission order: the
-    order of the step's rows."""
+    order of the step's rows.
+
+    `reserve(request)` is the number of positions the request's next step writes (its verify and its
+    next proposal); `cache` is the target's, whose lengths say where each row's next forward starts.
+    """
 
     def __init__(
-        self, num_slots: int, masker: SpeculativeMasker, cache: KVCache, markers: ThinkingMarkers | None
+        self,
+        num_slots: int,
+        masker: SpeculativeMasker,
+        cache: KVCache,
+        markers: ThinkingMarkers | None,
+        pool: BlockPool,
+        reserve: Callable[[Request], int],
     ) -> None:
-        self.masker, self.cache, self.markers = masker, cache, markers
+        self.masker, self.cache, self.markers, self.pool, self.reserve = masker, cache, markers, pool, reserve
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._free_slots = list(range(num_slots))
         self._finished: dict[str, RequestOutput] = {}
+        self._preempted: set[str] = set()  # waiting requests that ran before (their masker rows kept)
+        self.preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -37,25 +60,44 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def schedule(self) -> None:
+        """Grow every running row to its step's writes, preempting the latest admitted rows when the pool runs
+        out, then admit what fits."""
+        for request in list(self.running):
+            while request.slot >= 0 and not self.pool.grow(request.slot, self.reserve(request)):
+                self._preempt(self.running[-1])
+        self.admit()
+
     def admit(self) -> None:
-        """Move waiting requests whose grammar is ready into free slots, in arrival order."""
+        """Move waiting requests whose grammar is ready into free slots, in arrival order, while their blocks fit."""
         for request in list(self.waiting):
             if not self._free_slots:
                 return
             job = request.grammar_job
             if job is not None and not job.done():
                 continue
+            resumed = request.request_id in self._preempted
+            if not self.pool.can_assign(request.tokens, self.reserve(request)):
+                return
             self.waiting.remove(request)
-            try:
-                matcher = None if job is None else job.result().new_matcher()
-            except GrammarError as error:
-                request.output.error = str(error)
-                request.output.finish_reason = "error"
-                self._finished[request.request_id] = request.output
-                continue
-            self.masker.add_row(request.request_id, matcher, thinking_tracker(self.markers, request.prompt))
+            if not resumed:
+                try:
+                    matcher = None if job is None else job.result().new_matcher()
+                except GrammarError as error:
+                    request.output.error = str(error)
+                    request.output.finish_reason = "error"
+                    self._finished[request.request_id] = request.output
+                    continue
+                self.masker.add_row(request.request_id, matcher, thinking_tracker(self.markers, request.prompt))
+            self._preempted.discard(request.request_id)
             request.slot = self._free_slots.pop(0)
-            self.cache.reset([request.slot])
+            cached = self.pool.assign(request.slot, request.tokens, count=not resumed)
+            self.pool.grow(request.slot, self.reserve(request))
+            if not resumed:
+                request.output.num_cached_tokens = min(cached, len(request.prompt))
+            # A reused prefix is run again from its last position, whose hidden state no cache keeps (the
+            # draft's first new entry pairs with it); that position's writes go to scratch (BlockTable.read_only).
+            self.cache.truncate([request.slot], [max(cached - 1, 0)])
             self.running.append(request)
 
     def finish(self, request: Request, reason: str) -> None:
@@ -76,10 +118,25 @@ class Scheduler:
         """The output of a finished request, handed over once (None while it runs)."""
         return self._finished.pop(request_id, None)
 
+    def _preempt(self, request: Request) -> None:
+        """Free `request`'s slot and blocks and queue it first, to be recomputed (its masker row stays)."""
+        self.pool.release(request.slot)
+        self._free_slots.append(request.slot)
+        request.slot = -1
+        request.drafts, request.draft_probs, request.walked_masks, request.draft_forced = [], None, None, []
+        request.forced_run = 0
+        self.running.remove(request)
+        self.waiting.insert(0, request)
+        self._preempted.add(request.request_id)
+        self.preemptions += 1
+
     def _close(self, request: Request, reason: str) -> None:
         finish_output(request.output, request.text, reason)
         self._finished[request.request_id] = request.output
-        if request.slot >= 0:
+        if request.slot >= 0 or request.request_id in self._preempted:
             self.masker.remove_row(request.request_id)
+            self._preempted.discard(request.request_id)
+        if request.slot >= 0:
+            self.pool.release(request.slot)
             self._free_slots.append(request.slot)
             request.slot = -1

@@ -15,16 +15,17 @@ them). It then finishes, in this order of precedence, with
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from tandem.engine.request import Request
 
 
-def eos_ids(tokenizer) -> set[int]:
-    """The ids that end every request: the tokenizer's EOS and its generation config's."""
+def eos_ids(tokenizer, generation_eos: Iterable[int] = ()) -> set[int]:
+    """The ids that end every request: the tokenizer's EOS and the model's `generation_eos` (the
+    `eos_token_id` list of its generation_config.json, e.g. Llama 3.1 Instruct's end of turn and of
+    message besides the end of text: `EngineConfig.eos_token_ids`, which `tandem.LLM` reads)."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    generation_eos = getattr(getattr(tokenizer, "generation_config", None), "eos_token_id", None)
-    if isinstance(generation_eos, int):
-        ids.add(generation_eos)
-    return ids
+    return ids | set(generation_eos)
 
 
 def kept_tokens(r: Request, emitted: list[int]) -> list[int]:

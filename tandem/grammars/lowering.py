@@ -10,7 +10,8 @@ pattern: that pattern accepts a subset of the format's valid strings (`formats.p
   so does a `oneOf` of bare `required` lists (`_exactly_one_required`);
 - `not` of a bare `type` becomes the complement `type`; `not` of a bare `required` becomes "an
   object lacking one of the names" (`properties: {name: false}`); `not: {}` is `false`;
-- `dependentRequired: {a: [b]}` becomes `anyOf: [{properties: {a: false}}, {required: [b]}]`;
+- `dependentRequired: {a: [b]}` becomes `anyOf: [{properties: {a: false}}, {required: [b]}]`, and
+  `dependentSchemas: {a: S}` becomes `anyOf: [{properties: {a: false}}, S]`;
 - `uniqueItems` on an array of at most one item (`maxItems` <= 1), or `uniqueItems: false`, is dropped;
 - a `format` the backend lacks becomes a `pattern` (next to an existing pattern: an `allOf` member);
   a format JSON Schema does not define (and `formats.py` has no pattern for) is an annotation, dropped.
@@ -86,6 +87,11 @@ class _Facts:
         self.required |= other.required
         for name, values in other.property_values.items():
             self.property_values[name] = self.property_values.get(name, values) & values
+
+
+def _pop_dict(schema: dict, keyword: str) -> dict:
+    """`schema[keyword]` removed if it is an object (a dependency map), else {} (left as it is)."""
+    return schema.pop(keyword) if isinstance(schema.get(keyword), dict) else {}
 
 
 def _exactly_one_required(branches: list) -> list | None:
@@ -223,7 +229,7 @@ class _Lowering:
             return schema
         out = {}
         for keyword, value in schema.items():
-            if keyword in ("properties", "patternProperties", "$defs", "dependentSchemas") and isinstance(value, dict):
+            if keyword in ("properties", "patternProperties", "$defs") and isinstance(value, dict):
                 out[keyword] = {k: self.lower(v) for k, v in value.items()}
             elif keyword in ("allOf", "anyOf", "oneOf", "prefixItems") and isinstance(value, list):
                 out[keyword] = [self.lower(v) for v in value]
@@ -246,14 +252,19 @@ class _Lowering:
                     out["allOf"] = [*out.get("allOf", []), {"anyOf": any_of}]
                 else:
                     out["anyOf"] = any_of
-        if isinstance(out.get("dependentRequired"), dict):  # a absent, or all of its dependencies present
-            dependencies = out.pop("dependentRequired")
-            out["allOf"] = [*out.get("allOf", []), *(
-                {"anyOf": [{"properties": {name: False}}, {"required": names}]} for name, names in dependencies.items()
-                if names
-            )]  # fmt: skip
-            if not out["allOf"]:
-                del out["allOf"]
+        # A dependency holds where its property is absent: `a` absent, or (all of its names present | its schema).
+        dependencies = [
+            (name, {"required": names}) for name, names in _pop_dict(out, "dependentRequired").items() if names
+        ] + [
+            (name, self.dependent_schema(name, then))
+            for name, then in _pop_dict(out, "dependentSchemas").items()
+            if then is not True
+        ]
+        if dependencies:
+            out["allOf"] = [
+                *out.get("allOf", []),
+                *({"anyOf": [{"properties": {name: False}}, then]} for name, then in dependencies),
+            ]
         if "not" in out:
             out = self.lower_not(out)
             if not isinstance(out, dict):
@@ -265,6 +276,14 @@ class _Lowering:
         if isinstance(out.get("format"), str):
             out = self.lower_format(out)
         return out
+
+    def dependent_schema(self, name: str, schema: Any) -> Any:
+        """`dependentSchemas: {name: schema}`'s schema where it applies, to an object holding `name`: so
+        stated, a `oneOf` tagged by that property can be proven disjoint; lowered."""
+        if isinstance(schema, dict) and isinstance(schema.get("required", []), list):
+            required = [name, *(n for n in schema.get("required", []) if n != name)]
+            schema = {**schema, "type": schema.get("type", "object"), "required": required}
+        return self.lower(schema)
 
     def lower_not(self, schema: dict) -> Any:
         negated = schema["not"]

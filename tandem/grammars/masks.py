@@ -215,6 +215,9 @@ class MaskWalk:
         self.masker, self.k, self.device = masker, k, torch.device(device)
         self.bitmask, self.in_thinking = bitmask[:batch], in_thinking[:batch]
         self._flat = bitmask.view(-1, masker.width)  # the backends fill [N, W] rows by index
+        # Per-element reads and writes go through numpy views: on a tensor each is a torch dispatch.
+        self._words, self._thinking = self._flat.numpy(), self.in_thinking.numpy()
+        self._base_row, self._thinking_row = masker.base_row.numpy(), masker.thinking_row.numpy()
         self._states = [masker.row(row_id) for row_id in row_ids]
         self._tokens: list[list[int]] = [[] for _ in row_ids]
         self._walking = [state.matcher is not None for state in self._states]  # False after a forbidden token
@@ -250,7 +253,7 @@ class MaskWalk:
             raise RuntimeError(f"the walk is already past its k = {self.k} tokens")
         tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         for b, token in enumerate(tokens):
-            thinking = bool(self.in_thinking[b, self.position])
+            thinking = bool(self._thinking[b, self.position])
             self._tokens[b].append(token)
             allowed = token >= 0
             if self._walking[b] and not thinking:  # a token reaches the grammar iff its position is not thinking
@@ -332,12 +335,12 @@ class MaskWalk:
         i, width = self.position, self.k + 1
         for b, state in enumerate(self._states):
             thinking = state.tracker.phases(self._tokens[b])[-1] if state.tracker else False
-            self.in_thinking[b, i] = thinking
+            self._thinking[b, i] = thinking
             forced = -1
             if state.matcher is None or not self._walking[b]:  # after a forbidden token: never read
-                self._flat[b * width + i] = self.masker.base_row
+                self._words[b * width + i] = self._base_row
             elif thinking:
-                self._flat[b * width + i] = self.masker.thinking_row
+                self._words[b * width + i] = self._thinking_row
                 if self._remaining[b] is not None and self._must_close(b, i):
                     self._flat[b * width + i].zero_()
                     set_token_bit(self._flat[b * width + i], state.tracker.markers.close_id)

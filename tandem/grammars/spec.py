@@ -30,6 +30,9 @@ from tandem.grammars.errors import InvalidGrammarSpec
 from tandem.grammars.normalize import json_pointer, schema_validator
 
 GrammarKind = Literal["json_schema", "regex", "lark", "ebnf", "choice"]
+# A JSON schema's nesting depth (`json_depth`) at most: deeper ones (about 180 levels) recurse past
+# Python's default limit while checked against their metaschema, and llguidance's parser stops near 128.
+MAX_SCHEMA_DEPTH = 128
 
 
 def check_json_whitespace(value: object, name: str = "whitespace") -> None:
@@ -54,6 +57,18 @@ def _schema_error(source: str) -> str | None:
     except jsonschema.SchemaError as e:
         return f"json_schema at {json_pointer(list(e.path)) or '/'}: {e.message}"
     return None
+
+
+def json_depth(value: object) -> int:
+    """How deeply objects and arrays nest in a JSON value: 0 for a scalar, 1 for `{}` or `[1]`.
+    Iterative, so that a value too deep for recursion is measured rather than crashing."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
+    return deepest
 
 
 def escape_regex_literal(text: str) -> str:
@@ -88,8 +103,8 @@ class GrammarSpec:
 
         `whitespace`: what may stand between JSON tokens (`JsonWhitespace`); "compact" here, while
         requests (`SamplingParams.json_whitespace`) default to "default", json.dumps's separators.
-        Raises InvalidGrammarSpec naming the JSON pointer of the first invalid subschema, or for an
-        invalid `whitespace`.
+        Raises InvalidGrammarSpec naming the JSON pointer of the first invalid subschema, for a
+        schema nested deeper than MAX_SCHEMA_DEPTH, or for an invalid `whitespace`.
         """
         try:
             check_json_whitespace(whitespace)
@@ -104,6 +119,8 @@ class GrammarSpec:
         elif isinstance(schema, str):
             try:
                 schema = json.loads(schema)
+            except RecursionError:
+                raise InvalidGrammarSpec(f"json_schema: nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
             except json.JSONDecodeError as e:
                 raise InvalidGrammarSpec(
                     f"json_schema: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}"
@@ -111,6 +128,10 @@ class GrammarSpec:
         if not isinstance(schema, (dict, bool)):
             raise InvalidGrammarSpec(
                 f"json_schema: a schema must be an object or a boolean, got {type(schema).__name__}"
+            )
+        if (depth := json_depth(schema)) > MAX_SCHEMA_DEPTH:
+            raise InvalidGrammarSpec(
+                f"json_schema: objects and arrays nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are supported"
             )
         source = json.dumps(schema, ensure_ascii=False)
         error = _schema_error(source)
@@ -143,6 +164,20 @@ class GrammarSpec:
         except Exception as e:  # xgrammar raises RuntimeError with the parser's message
             raise InvalidGrammarSpec(f"ebnf: {str(e).strip()}") from None
         return cls("ebnf", grammar)
+
+    @classmethod
+    def grammar(cls, grammar: str) -> GrammarSpec:
+        """From grammar text in either dialect: GBNF/EBNF when it parses as xgrammar's (as vLLM
+        reads `grammar`), else Lark when it parses as llguidance's; else InvalidGrammarSpec naming both errors."""
+        try:
+            return cls.ebnf(grammar)
+        except InvalidGrammarSpec as ebnf_error:
+            try:
+                return cls.lark(grammar)
+            except InvalidGrammarSpec as lark_error:
+                raise InvalidGrammarSpec(
+                    f"grammar is neither GBNF/EBNF nor Lark: {ebnf_error}; {str(lark_error).strip()}"
+                ) from None
 
     @classmethod
     def choice(cls, options: Sequence[str]) -> GrammarSpec:

@@ -1,28 +1,29 @@
-"""Attention over a ragged batch and a KV cache: where each token's entry lives, and what each query sees.
+"""Attention over a ragged batch and a paged KV cache: where each token's entry lives, and what each query sees.
 
-:class:`RaggedLayout` is built once per forward from the batch's host-side spans and shared by
-every layer of every provider (the Llama and DeepSeek targets, the EAGLE, EAGLE-3 and MTP drafts).
-It keeps two concerns apart:
+:class:`RaggedLayout` is built once per forward from the batch's host-side spans and the cache's
+block table, and shared by every layer of every provider (the Llama and DeepSeek targets, the
+EAGLE, EAGLE-3 and MTP drafts). It keeps two concerns apart:
 
-- **Addressing** (:class:`SlotAddressing`, ``layout.addressing``): where a token's cache entry is
-  written (:meth:`~SlotAddressing.write`) and how a row's keys are read
-  (:meth:`~SlotAddressing.gather`: ``[B, num_keys, ...]``, key ``j`` at position ``key_start + j``).
-  Today each row owns a cache slot, ``cache[slot, position]``. This is the one seam the cache's
-  layout goes through: a paged KV cache replaces it with an addressing that writes and gathers
-  through block tables, and graph mode (:meth:`RaggedLayout.static`) with one that scatters every
-  write and gathers one key window for every row; the providers keep calling ``write`` and ``gather``.
+- **Addressing** (:class:`BlockAddressing`, ``layout.addressing``): where a token's cache entry is
+  written (:meth:`~BlockAddressing.write`: entry ``p % block_size`` of block ``table[slot][p // block_size]``
+  of a pool ``[num_blocks, block_size, ...]``) and how a row's keys are read through its block table
+  (:meth:`~BlockAddressing.gather`: ``[B, num_keys, ...]``, key ``j`` at position ``key_start + j``).
+  This is the one seam the cache's layout goes through; graph mode (:meth:`RaggedLayout.static`)
+  scatters every write and gathers one window of blocks for every row; the providers keep calling
+  ``write`` and ``gather``.
 - **Visibility**: queries sit in a padded ``[B, Qmax]`` grid (:meth:`RaggedLayout.to_grid`) and
   see the gathered keys whose position is at most theirs (:attr:`RaggedLayout.visible`, none for
   one token per row at each row's end); one ``scaled_dot_product_attention`` call runs with that
   mask. The mask is built over the addressing's key window, so a mode whose gather returns whole
-  slots gets a mask over whole slots (masking by the rows' lengths instead of slicing) and a
+  blocks past a row's end gets a mask over them (masking by position instead of slicing) and a
   fixed ``[B_bucket, Qmax]`` grid, without changes to the providers.
 
 The common cases copy nothing: when every row has the same number of tokens (decode and verify
-steps) the grid is a view of the tokens, when the rows' slots are consecutive their keys are a
-view of the cache, and one row's tokens are written as a slice of its slot. Keys start at
-``key_start`` (a draft's cache holds nothing at position 0), so a step of one token per row at
-each row's end needs no mask.
+steps) the grid is a view of the tokens; when the rows' blocks in the key window are consecutive
+(one row whose blocks were allocated in order; a contiguous cache, one block per slot, with
+consecutive slots) their keys are a view of the pool, and tokens whose entries are consecutive
+(one row's) are written as a slice. Keys start at ``key_start`` (a draft's cache holds nothing at
+position 0), so a step of one token per row at each row's end needs no mask.
 """
 
 from __future__ import annotations
@@ -33,19 +34,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tandem.models.base import ForwardBatch
+from tandem.core.transfer import int64_tensor
+from tandem.models.base import ForwardBatch, KVCache
 
 
 @dataclass
-class SlotAddressing:
-    """Where a slot cache holds the batch's entries: row ``b``'s position ``p`` is ``cache[slots[b], p]``,
-    for caches ``[num_slots, max_len, ...]``; keys are read for positions ``key_start .. key_end - 1``."""
+class BlockAddressing:
+    """Where a paged cache holds the batch's entries, for pools ``[num_blocks, block_size, ...]``: row ``b``'s
+    position ``p`` is entry ``p % block_size`` of block ``tables[b, p // block_size - first_table_block]``.
+    Keys are read for positions ``key_start .. key_end - 1``."""
 
-    token_slots: Tensor  # [T] int64: cache slot of each token
-    positions: Tensor  # [T] int64: position of each token
-    one_row: tuple[int, int] | None  # (slot, first position) when the batch is one row, else None
-    slots: Tensor  # [B] int64: each row's slot
-    first_slot: int | None  # slots == first_slot + arange(B), or None (the keys are gathered)
+    write_index: Tensor | None  # [T] int64: each token's entry in the pool flattened to [num_blocks * block_size]
+    write_start: int | None  # the first of T consecutive flat entries (a slice write), when write_index is None
+    tables: Tensor | None  # [B, nb] int64: each row's blocks over the key window (None: first_block's view)
+    first_block: int | None  # the window's blocks are first_block .. first_block + B * nb - 1 in row order
+    num_rows: int
+    block_size: int
+    key_offset: int  # position of the window's first block's first entry, subtracted from key_start
     key_start: int  # position of the first key
     key_end: int  # one past the position of the last key
 
@@ -54,23 +59,23 @@ class SlotAddressing:
         return self.key_end - self.key_start
 
     def write(self, cache: Tensor, entries: Tensor) -> None:
-        """Store ``entries [T, ...]`` at each token's slot and position of ``cache [slots, max_len, ...]``.
-
-        One row's tokens fill a slice of its slot: a copy, cheaper than the scatter to (slot,
-        position) indices, and it runs in every layer.
-        """
-        if self.one_row is None:
-            cache[self.token_slots, self.positions] = entries.to(cache.dtype)
+        """Store ``entries [T, ...]`` at each token's block and offset of ``cache [num_blocks, block_size, ...]``;
+        a slice copy when they are consecutive (one row's), cheaper than the scatter, and it runs in every layer."""
+        flat = cache.flatten(0, 1)
+        if self.write_index is None:
+            flat[self.write_start : self.write_start + entries.shape[0]] = entries
         else:
-            slot, start = self.one_row
-            cache[slot, start : start + entries.shape[0]] = entries
+            flat[self.write_index] = entries.to(cache.dtype)
 
     def gather(self, cache: Tensor) -> Tensor:
-        """The rows' keys: ``cache [slots, max_len, ...]`` -> ``[B, num_keys, ...]``, a view of the cache when
-        the rows' slots are consecutive."""
-        if self.first_slot is not None:
-            return cache[self.first_slot : self.first_slot + self.slots.shape[0], self.key_start : self.key_end]
-        return cache[:, self.key_start : self.key_end].index_select(0, self.slots)
+        """The rows' keys: ``cache [num_blocks, block_size, ...]`` -> ``[B, num_keys, ...]``, a view of the pool
+        when the window's blocks are consecutive, else one gather of the rows' blocks."""
+        start, end = self.key_start - self.key_offset, self.key_end - self.key_offset
+        if self.tables is None:
+            rows, window = self.num_rows, -(-end // self.block_size)
+            blocks = cache[self.first_block : self.first_block + rows * window]
+            return blocks.view(rows, window * self.block_size, *cache.shape[2:])[:, start:end]
+        return cache[self.tables].flatten(1, 2)[:, start:end]
 
 
 @dataclass
@@ -78,7 +83,7 @@ class RaggedLayout:
     """Where each token of a ragged batch sits in a padded ``[B, Qmax]`` query grid, what it sees, and
     where its cache entry lives (:attr:`addressing`). Built once per forward by :meth:`build`."""
 
-    addressing: SlotAddressing
+    addressing: BlockAddressing
     num_rows: int
     grid_index: tuple[Tensor, Tensor] | None  # (row, column) [T] of each token in the grid; None: T == B * Qmax
     visible: Tensor | None  # [B, 1, Qmax, num_keys] bool: key position <= query position
@@ -88,62 +93,69 @@ class RaggedLayout:
     _masks: dict[tuple, Tensor] = field(default_factory=dict, repr=False)  # attention_mask's, per (dtype, repeats)
 
     @classmethod
-    def build(cls, batch: ForwardBatch, first_position: int = 0) -> RaggedLayout:
-        """The layout of ``batch`` over a slot cache whose entries start at ``first_position``."""
-        spans = batch.spans
+    def build(cls, batch: ForwardBatch, cache: KVCache) -> RaggedLayout:
+        """The layout of ``batch`` over ``cache``'s block table (keys from its ``first_position``)."""
+        spans, table = batch.spans, cache.table
         num_rows, num_tokens = batch.num_rows, batch.num_tokens
         ends = spans.ends()
         max_query, max_key = max(spans.lengths), max(ends)
         if num_tokens == num_rows * max_query:
             grid_index = None
             query_positions = batch.positions.view(num_rows, max_query)
-            token_slots = batch.slots.repeat_interleave(max_query) if max_query > 1 else batch.slots
         else:
             token_rows = batch.token_rows()
             grid_index = token_rows, torch.arange(num_tokens, device=token_rows.device) - batch.row_offsets[token_rows]
             # Padding queries see every key: their outputs are dropped, and no softmax row is empty.
             query_positions = batch.positions.new_full((num_rows, max_query), max_key - 1)
             query_positions[grid_index] = batch.positions
-            token_slots = batch.slots[token_rows]
-        slots = spans.slots
-        addressing = SlotAddressing(
-            token_slots,
-            batch.positions,
-            one_row=(slots[0], spans.starts[0]) if num_rows == 1 else None,
-            slots=batch.slots,
-            first_slot=slots[0] if slots == list(range(slots[0], slots[0] + num_rows)) else None,
-            key_start=first_position,
+        device = batch.positions.device
+        flat = [table.flat_index(slot, p) for slot, s, e in zip(spans.slots, spans.starts, ends) for p in range(s, e)]
+        consecutive = flat == list(range(flat[0], flat[0] + num_tokens))
+        key_start, size = cache.first_position, table.block_size
+        first, window = key_start // size, -(-max_key // size) - key_start // size  # the key window's blocks
+        ids = [b for slot in spans.slots for b in table.rows[slot][first : first + window]]
+        in_order = len(ids) == num_rows * window and ids == list(range(ids[0], ids[0] + len(ids)))
+        addressing = BlockAddressing(
+            write_index=None if consecutive else int64_tensor(flat, device),
+            write_start=flat[0] if consecutive else None,
+            tables=None if in_order else table.sync().index_select(0, batch.slots)[:, first : first + window],
+            first_block=ids[0] if in_order else None,
+            num_rows=num_rows,
+            block_size=size,
+            key_offset=first * size,
+            key_start=key_start,
             key_end=max_key,
         )
         visible = None
         if max_query > 1 or min(ends) < addressing.key_end:
-            keys = torch.arange(addressing.key_start, addressing.key_end, device=batch.positions.device)
+            keys = torch.arange(addressing.key_start, addressing.key_end, device=device)
             visible = (keys <= query_positions[..., None])[:, None]
         return cls(addressing, num_rows, grid_index, visible, max_query, max_key)
 
     @classmethod
     def static(
-        cls, positions: Tensor, write_slots: Tensor, slots: Tensor, key_start: int, num_keys: int
+        cls, positions: Tensor, write_index: Tensor, tables: Tensor, key_start: int, block_size: int
     ) -> RaggedLayout:
         """The layout of a fixed grid of ``B`` rows by ``Q`` tokens (graph mode), built from device tensors only.
 
         Args:
-            positions: ``[B, Q]`` int64, each token's position; a padding token takes a position its row's
-                slot already holds (the row's last), so its query sees real keys and no softmax row is empty.
-            write_slots: ``[B * Q]`` int64, the slot each token's entry is written to: padding tokens write to a
-                scratch slot that no real row reads, so they never overwrite a real row's entries.
-            slots: ``[B]`` int64, the slot each row's queries read (a padding row: the scratch slot).
-            key_start, num_keys: every row reads keys ``key_start .. key_start + num_keys - 1``: a CUDA graph
-                the whole slot; a compiled CPU step the window its rows reach (``num_keys`` a dynamic size).
+            positions: ``[B, Q]`` int64, each token's position; a padding token takes a position its row
+                already holds (the row's last), so its query sees real keys and no softmax row is empty.
+            write_index: ``[B * Q]`` int64, each token's entry in the pool flattened to ``[num_blocks *
+                block_size]``: padding tokens write to the scratch block, which no real row reads.
+            tables: ``[B, nb]`` int64, the blocks each row reads (a padding row: the scratch block's), from its
+                first: every row reads keys ``key_start .. nb * block_size - 1``: a CUDA graph its whole table;
+                a compiled CPU step the blocks its rows reach (``nb`` a dynamic size).
+            key_start: the cache's first position; block_size: the pools' positions per block.
 
-        Every write is a scatter and every row gathers the same key window, masked by position (key
+        Every write is a scatter and every row gathers the same window of blocks, masked by position (key
         position <= query position) instead of sliced by the rows' lengths: nothing depends on a value
         read from the batch, so the layout's ops compile into one graph per ``(B, Q)``.
         """
         num_rows, max_query = positions.shape
-        key_end = key_start + num_keys
-        addressing = SlotAddressing(
-            write_slots, positions.flatten(), None, slots, first_slot=None, key_start=key_start, key_end=key_end
+        key_end = tables.shape[1] * block_size
+        addressing = BlockAddressing(
+            write_index, None, tables, None, num_rows, block_size, key_offset=0, key_start=key_start, key_end=key_end
         )
         keys = torch.arange(key_start, key_end, device=positions.device)
         visible = (keys <= positions[..., None])[:, None]
@@ -180,7 +192,7 @@ class RaggedLayout:
         return grid.flatten(0, 1) if self.grid_index is None else grid[self.grid_index]
 
     def attend(self, q: Tensor, cache: Tensor, scale: float) -> Tensor:
-        """Attention of ``q: [T, nh, d]`` over each row's keys in ``cache: [slots, max_len, 2, nkv, d]``.
+        """Attention of ``q: [T, nh, d]`` over each row's keys in ``cache: [num_blocks, block_size, 2, nkv, d]``.
 
         Returns ``[T, nh, d]``. Query heads are grouped over key/value heads (GQA).
         """

@@ -15,13 +15,17 @@ the row's rules: among the tokens its grammar allows (``DraftInput.constraint``,
 :class:`DraftConstraint`), and on logits with its penalties and logit biases applied
 (``DraftInput.adjust``, :class:`LogitAdjuster`), so a penalised row's drafts still match its target.
 
-KV caches are preallocated, ``[num_slots, max_len, ...]`` per layer, plus host-side ``lengths``.
-A forward writes each token's entry at its position in its slot and attends causally by
-position. :meth:`KVCache.truncate` only sets lengths (rollback after rejection, no copy);
+KV caches are paged: each layer is one pool of fixed-size blocks ``[num_blocks, block_size, ...]``,
+and a :class:`BlockTable` says which blocks hold each slot's positions (a slot is a row index; a
+target's cache and its draft's share one table, so one block id names both pools' entries). A
+forward writes each token's entry at its position through its slot's table and attends causally
+by position. :meth:`KVCache.truncate` only sets lengths (rollback after rejection, no copy);
 re-running a position overwrites it, so decoding after a truncate equals decoding a fresh
-cache over the same tokens. Layouts and cache checks read Python ints on the host
-(``ForwardBatch.spans``, :class:`RowSpans`, and ``KVCache.lengths``), never the device;
-``truncate``/``reset`` take ints.
+cache over the same tokens. Which blocks a slot holds is the engine's business
+(``tandem.engine.kv_blocks``); a cache built on its own (``new_cache(num_slots, max_len)``) gives
+each slot one block of ``max_len`` positions, the contiguous layout. Layouts and cache checks read
+Python ints on the host (``ForwardBatch.spans``, :class:`RowSpans`, ``KVCache.lengths`` and the
+table's rows), never the device; ``truncate`` takes ints.
 
 Aux hidden states (EAGLE-3) use the HF ``hidden_states`` index convention: index ``i`` is the
 input of decoder layer ``i`` (before any final norm); the default capture points are
@@ -142,8 +146,79 @@ class ForwardBatch:
         return rows.repeat_interleave(self.row_offsets.diff(), output_size=self.num_tokens)  # sized: no device read
 
 
+class BlockTable:
+    """Which pool blocks hold each slot's positions: position ``p`` of slot ``s`` is entry ``p % block_size`` of
+    block ``rows[s][p // block_size]``, in every pool that shares the table (a target's and its draft's caches).
+
+    ``rows`` (host lists) plan every forward; :attr:`tensor` ``[num_slots, max_blocks]`` int64 on the device is
+    what a forward reads, one persistent buffer (graph mode's graphs read its address), refreshed by one copy
+    when the rows changed (:meth:`sync`). Entries past a slot's blocks hold :attr:`scratch_block`, a block no
+    real row owns: a gather past a row's blocks reads it (those keys are masked by position) and padding
+    tokens write it. ``read_only[s]``: positions of slot ``s`` below it sit in blocks other rows share (a reused
+    prefix); a forward that runs over them again (to recompute a hidden state) writes those entries to
+    scratch instead, so a shared block is never written.
+    """
+
+    def __init__(
+        self, num_slots: int, max_len: int, block_size: int, num_blocks: int, device=None, *, scratch_block: int = 0
+    ):
+        if block_size < 1 or not 0 <= scratch_block < num_blocks:
+            raise ValueError(f"block_size {block_size} < 1 or scratch block {scratch_block} not among {num_blocks}")
+        self.block_size, self.num_blocks, self.max_len = block_size, num_blocks, max_len
+        self.scratch_block = scratch_block
+        self.max_blocks = -(-max_len // block_size)
+        self.rows: list[list[int]] = [[] for _ in range(num_slots)]
+        self.read_only = [0] * num_slots
+        self.tensor = torch.full((num_slots, self.max_blocks), scratch_block, dtype=torch.int64, device=device)
+        self._dirty = False
+
+    @classmethod
+    def contiguous(cls, num_slots: int, max_len: int, device=None) -> BlockTable:
+        """Slot ``s`` owns block ``s`` of ``max_len`` positions: the slot cache's layout. Nothing shares a block and
+        no gather goes past a row's one block, so the scratch block is the last slot's: graph mode's padding
+        slot, when a graph runner pads this cache."""
+        table = cls(num_slots, max_len, max_len, num_slots, device, scratch_block=num_slots - 1)
+        for slot in range(num_slots):
+            table.set_blocks(slot, [slot])
+        return table
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.rows)
+
+    def capacity(self, slot: int) -> int:
+        """Positions ``slot``'s blocks hold."""
+        return len(self.rows[slot]) * self.block_size
+
+    def set_blocks(self, slot: int, blocks: list[int], read_only: int = 0) -> None:
+        """``slot`` holds ``blocks`` from now on; its first ``read_only`` positions are shared (never written)."""
+        if len(blocks) > self.max_blocks:
+            raise ValueError(f"slot {slot}: {len(blocks)} blocks exceed max_blocks {self.max_blocks}")
+        self.rows[slot] = list(blocks)
+        self.read_only[slot] = read_only
+        self._dirty = True
+
+    def sync(self) -> Tensor:
+        """:attr:`tensor` with the host rows copied in if they changed (one copy, no device read)."""
+        if self._dirty:
+            pad = [self.scratch_block] * self.max_blocks
+            flat = [b for row in self.rows for b in (row + pad)[: self.max_blocks]]
+            self.tensor.copy_(int64_tensor(flat, self.tensor.device).view_as(self.tensor))
+            self._dirty = False
+        return self.tensor
+
+    def flat_index(self, slot: int, position: int) -> int:
+        """Where ``slot``'s ``position`` is written in a pool flattened to ``[num_blocks * block_size, ...]``
+        (a read-only position: the scratch block)."""
+        offset = position % self.block_size
+        if position < self.read_only[slot]:
+            return self.scratch_block * self.block_size + offset
+        return self.rows[slot][position // self.block_size] * self.block_size + offset
+
+
 class KVCache:
-    """Preallocated per-layer caches ``[num_slots, max_len, *entry_shape]`` and ``lengths``, one int per slot.
+    """Per-layer pools ``[num_blocks, block_size, *entry_shape]``, a :class:`BlockTable` and ``lengths``, one int
+    per slot.
 
     What an entry holds is the model's business (Llama: stacked K and V ``[2, n_kv, head_dim]``;
     DeepSeek-V3: the compressed latent ``[kv_lora_rank + qk_rope_head_dim]``).
@@ -152,16 +227,16 @@ class KVCache:
     a token with the hidden state before it, 0 otherwise).
     """
 
-    def __init__(self, layers: list[Tensor], *, first_position: int = 0):
+    def __init__(self, layers: list[Tensor], table: BlockTable, *, first_position: int = 0):
         if not layers:
             raise ValueError("a KVCache needs at least one layer tensor")
-        shape = layers[0].shape[:2]
+        shape = (table.num_blocks, table.block_size)
         for i, layer in enumerate(layers):
-            if layer.shape[:2] != shape:
-                raise ValueError(f"layer {i} cache shape {tuple(layer.shape)} does not start with {tuple(shape)}")
-        self.layers = layers
+            if tuple(layer.shape[:2]) != shape:
+                raise ValueError(f"layer {i} cache shape {tuple(layer.shape)} does not start with {shape}")
+        self.layers, self.table = layers, table
         self.first_position = first_position
-        self.lengths = [0] * shape[0]  # host-side: the engine plans with these, the device never reads them
+        self.lengths = [0] * table.num_slots  # host-side: the engine plans with these, the device never reads them
 
     @classmethod
     def allocate(
@@ -174,18 +249,28 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str | None,
         first_position: int = 0,
+        table: BlockTable | None = None,
     ) -> KVCache:
-        """Zero-filled caches: ``num_layers`` tensors ``[num_slots, max_len, *entry_shape]``."""
-        layers = [torch.zeros(num_slots, max_len, *entry_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        return cls(layers, first_position=first_position)
+        """Zero-filled pools: ``num_layers`` tensors ``[num_blocks, block_size, *entry_shape]`` of ``table``'s
+        blocks (None: :meth:`BlockTable.contiguous` over ``num_slots`` and ``max_len``)."""
+        if table is None:
+            table = BlockTable.contiguous(num_slots, max_len, device)
+        shape = (table.num_blocks, table.block_size, *entry_shape)
+        layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return cls(layers, table, first_position=first_position)
 
     @property
     def num_slots(self) -> int:
-        return self.layers[0].shape[0]
+        return self.table.num_slots
 
     @property
     def max_len(self) -> int:
-        return self.layers[0].shape[1]
+        return self.table.max_len
+
+    @property
+    def bytes_per_position(self) -> int:
+        """Bytes one position takes across the layers (a block takes ``block_size`` times this)."""
+        return sum(layer[0, 0].nbytes for layer in self.layers)
 
     def truncate(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """Roll ``slots`` back to ``lengths`` positions each. Sets lengths only; copies nothing."""
@@ -194,16 +279,12 @@ class KVCache:
         for slot, n in zip(slots, lengths, strict=True):
             self.lengths[slot] = n
 
-    def reset(self, slots: Sequence[int]) -> None:
-        """Empty ``slots`` (a new sequence will use them)."""
-        self.truncate(slots, [0] * len(slots))
-
     def begin_forward(self, batch: ForwardBatch) -> None:
         """Check that ``batch`` fits and leaves no gap, then set each row's length to its last position + 1.
 
         Call once per forward, before writing. Raises ``ValueError`` naming the row when it has no
-        tokens, names a slot that does not exist, ends past ``max_len`` or starts beyond what its
-        slot holds. Reads only the batch's host-side :class:`RowSpans`.
+        tokens, names a slot that does not exist, ends past ``max_len`` or past its slot's blocks, or
+        starts beyond what its slot holds. Reads only the batch's host-side :class:`RowSpans`.
         """
         spans = batch.spans
         for b, (slot, first, n) in enumerate(zip(spans.slots, spans.starts, spans.lengths)):
@@ -216,6 +297,11 @@ class KVCache:
                 raise ValueError(
                     f"row {b} (slot {slot}) writes positions {first}..{first + n - 1} but the slot holds {held} "
                     f"positions, writes start at {self.first_position} and max_len is {self.max_len}"
+                )
+            if first + n > self.table.capacity(slot):
+                raise ValueError(
+                    f"row {b} (slot {slot}) writes up to position {first + n - 1} but its blocks hold "
+                    f"{self.table.capacity(slot)} positions: grow the row first"
                 )
         for slot, end in zip(spans.slots, spans.ends()):
             self.lengths[slot] = end
@@ -245,7 +331,9 @@ class Target(Protocol):
     num_layers: int
     aux_layer_ids: tuple[int, ...]  # settable: a draft's eagle_aux_hidden_state_layer_ids override the default
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache: ...
+    def new_cache(self, num_slots: int, max_len: int, *, table: BlockTable | None = None) -> KVCache:
+        """Its cache over ``table``'s blocks (None: one contiguous block per slot)."""
+        ...
 
     def forward(
         self, batch: ForwardBatch, cache: KVCache, *, return_hidden: bool = False, return_aux: bool = False
@@ -319,7 +407,10 @@ class Draft(Protocol):
     hidden_kind: HiddenKind
     follows_constraint: bool
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache | None: ...
+    def new_cache(self, num_slots: int, max_len: int, *, table: BlockTable | None = None) -> KVCache | None:
+        """Its cache over ``table``'s blocks, shared with the target's (None: one contiguous block per slot);
+        None for a draft without one."""
+        ...
 
     def propose(self, inp: DraftInput, cache: KVCache | None, num_tokens: int) -> DraftProposal:
         """Consume ``inp`` (writing its entries into ``cache``) and propose ``num_tokens`` tokens per row.

@@ -51,18 +51,25 @@ def _fill(config: Any, **values: Any) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class RopeParameters:
-    """A model's rotary settings, whatever the config's vintage (see the module docstring).
+    """A model's rotary settings, whatever the config's vintage (see the module docstring), with
+    transformers' rope types (``transformers.modeling_rope_utils``) and the entries each needs
+    (:data:`ROPE_REQUIRED`; :mod:`tandem.models.rope` computes them):
 
-    ``rope_type`` ``"default"`` uses ``rope_theta`` only; ``"llama3"`` (Llama 3.1 frequency scaling)
-    needs ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
-    ``original_max_position_embeddings``; ``"yarn"`` (DeepSeek-V3) reads the rest, with
-    ``original_max_position_embeddings`` defaulting to the model's ``max_position_embeddings`` and
-    ``factor`` to their ratio.
+    ``"default"`` uses ``rope_theta`` only; ``"linear"`` divides the frequencies by ``factor``;
+    ``"dynamic"`` (NTK-aware) stretches ``rope_theta`` once a row outgrows ``max_position_embeddings``
+    (the model's), by ``factor``; ``"llama3"`` (Llama 3.1 frequency scaling) needs ``factor``,
+    ``low_freq_factor``, ``high_freq_factor`` and ``original_max_position_embeddings``; ``"yarn"``
+    (DeepSeek-V3 and Llama) reads the rest, with ``factor`` defaulting to ``max_position_embeddings /
+    original_max_position_embeddings``; ``"longrope"`` scales each frequency by ``short_factor``, or
+    by ``long_factor`` once a row outgrows ``original_max_position_embeddings``. As in transformers,
+    ``original_max_position_embeddings`` of llama3, yarn and longrope is the config's top-level entry if
+    it has one, else the rope settings', else ``max_position_embeddings``.
     """
 
     rope_type: str = "default"
     rope_theta: float = 10000.0  # the official EAGLE-3 Llama-3.1 draft config has none
     factor: float | None = None
+    max_position_embeddings: int | None = None  # the model's (dynamic; longrope's default factor)
     original_max_position_embeddings: int | None = None
     low_freq_factor: float | None = None  # llama3
     high_freq_factor: float | None = None  # llama3
@@ -70,35 +77,47 @@ class RopeParameters:
     beta_slow: float = 1.0  # yarn
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
-    attention_factor: float | None = None  # yarn; None: from mscale and mscale_all_dim
+    attention_factor: float | None = None  # yarn, longrope; None: their default from factor (and mscale)
     truncate: bool = True  # yarn: round the correction range to whole dimensions
+    short_factor: tuple[float, ...] | None = None  # longrope: [head_dim // 2] per-frequency divisors
+    long_factor: tuple[float, ...] | None = None  # longrope, for rows past original_max_position_embeddings
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> RopeParameters:
         """From a model's config dict: ``rope_parameters``, else ``rope_scaling`` (``type`` read as
-        ``rope_type``) with the top-level ``rope_theta``; YaRN's defaults from ``max_position_embeddings``."""
+        ``rope_type``) with the top-level ``rope_theta``; lengths and YaRN's factor as the class says."""
         params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         params["rope_type"] = params.get("rope_type", params.pop("type", "default"))
         params.setdefault("rope_theta", config.get("rope_theta"))
-        if params["rope_type"] == "yarn":
-            max_len = config.get("max_position_embeddings")
-            original = params.get("original_max_position_embeddings") or max_len
-            params["original_max_position_embeddings"] = original
-            if not params.get("factor") and original:
+        max_len = params["max_position_embeddings"] = config.get("max_position_embeddings")
+        if params["rope_type"] in ("llama3", "yarn", "longrope"):
+            original = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+            params["original_max_position_embeddings"] = original = original or max_len
+            if params["rope_type"] == "yarn" and not params.get("factor") and original:
                 params["factor"] = max_len / original
+        for key in ("short_factor", "long_factor"):
+            if params.get(key) is not None:
+                params[key] = tuple(float(f) for f in params[key])
         return cls(**_entries(cls, params, "RoPE"))
 
     def check(self, supported: tuple[str, ...], model: str) -> None:
-        """Raise ValueError for a ``rope_type`` not in ``supported`` (by ``model``), or llama3 scaling
-        without its keys."""
+        """Raise ValueError for a ``rope_type`` not in ``supported`` (by ``model``), or one without the
+        entries it needs (:data:`ROPE_REQUIRED`)."""
         if self.rope_type not in supported:
             expected = " or ".join(repr(t) for t in supported)
             raise ValueError(f"rope_type {self.rope_type!r} is not supported for {model} (expected {expected})")
-        if self.rope_type == "llama3":
-            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-            missing = [key for key in keys if getattr(self, key) is None]
-            if missing:
-                raise ValueError(f"{model} config: rope_type 'llama3' lacks {missing}")
+        missing = [key for key in ROPE_REQUIRED.get(self.rope_type, ()) if getattr(self, key) is None]
+        if missing:
+            raise ValueError(f"{model} config: rope_type {self.rope_type!r} lacks {missing}")
+
+
+ROPE_REQUIRED = {  # rope_type -> the RopeParameters entries it cannot do without
+    "linear": ("factor",),
+    "dynamic": ("factor", "max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +126,7 @@ class LlamaConfig:
     decoder layer the EAGLE drafts reuse (:class:`EagleConfig`, :class:`Eagle3Config`)."""
 
     model: ClassVar[str] = "Llama"  # in error messages
-    rope_types: ClassVar[tuple[str, ...]] = ("default", "llama3")
+    rope_types: ClassVar[tuple[str, ...]] = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
     vocab_size: int
     hidden_size: int
@@ -207,7 +226,6 @@ class DeepseekV3Config:
     scoring_func: str = "sigmoid"
     topk_method: str = "noaux_tc"
     rope_interleave: bool = True
-    quantization_config: dict[str, Any] | None = None  # quantized checkpoints are rejected
     rms_norm_eps: float = 1e-6
     attention_bias: bool = False
     tie_word_embeddings: bool = False
@@ -233,8 +251,6 @@ class DeepseekV3Config:
         for key, (value, allowed) in unsupported.items():
             if value not in allowed:
                 raise ValueError(f"DeepSeek-V3 config {key}={value!r} is not supported (expected one of {allowed})")
-        if self.quantization_config:
-            raise ValueError("quantized (e.g. FP8) DeepSeek-V3 checkpoints are not supported: dequantize to bf16 first")
         if self.n_routed_experts:
             missing = [key for key in ("num_experts_per_tok", "moe_intermediate_size") if getattr(self, key) is None]
             if missing:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.models.attention import RaggedLayout
-from tandem.models.base import ForwardBatch, KVCache, Target, TargetOutput, default_aux_layer_ids
+from tandem.models.base import BlockTable, ForwardBatch, KVCache, Target, TargetOutput, default_aux_layer_ids
 from tandem.models.config import DeepseekV3Config
 from tandem.models.layers import Layer
 from tandem.models.linear import Linear, MergedLinear, linear
@@ -46,12 +46,12 @@ def softmax_attention(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor 
 
 
 def attend_latent(layout: RaggedLayout, query: Tensor, latent_cache: Tensor, value_dim: int, scale: float) -> Tensor:
-    """Single-latent-head attention of every query head over its row's slot of cached latents.
+    """Single-latent-head attention of every query head over its row's cached latents.
 
     Args:
         layout: the batch's :class:`~tandem.models.attention.RaggedLayout` (padding and visibility).
         query: ``[T, nh, D]`` latent queries (``D = kv_lora_rank + qk_rope_head_dim``).
-        latent_cache: ``[num_slots, max_len, D]``; the keys, whose first ``value_dim`` entries are the values.
+        latent_cache: ``[num_blocks, block_size, D]``; the keys, whose first ``value_dim`` entries are the values.
     Returns:
         ``[T, nh, value_dim]`` in the query's dtype.
     """
@@ -97,7 +97,7 @@ class MultiHeadLatentAttention(Layer):
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5 * softmax_scale_factor
 
     def forward(self, x: Tensor, rope: Rotation, layout: RaggedLayout, latent_cache: Tensor) -> Tensor:
-        """Write this batch's latents into ``latent_cache [num_slots, max_len, r + rope]`` and attend.
+        """Write this batch's latents into ``latent_cache [num_blocks, block_size, r + rope]`` and attend.
 
         ``x: [T, H]``, ``rope``: the :class:`RotaryEmbedding` of the tokens' positions -> ``[T, H]``.
         """
@@ -186,11 +186,13 @@ class DeepseekV3(nn.Module):
         tied = config.tie_word_embeddings
         self.head = None if tied else Linear(self.hidden_size, self.vocab_size, bias=False, **factory)
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """Latent caches ``[num_slots, max_len, kv_lora_rank + qk_rope_head_dim]`` per layer."""
+    def new_cache(self, num_slots: int, max_len: int, *, table: BlockTable | None = None) -> KVCache:
+        """Latent pools ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` per layer over ``table``."""
         weight = self.embed_tokens.weight
         entry = (self.config.latent_dim,)
-        return KVCache.allocate(self.num_layers, num_slots, max_len, entry, dtype=weight.dtype, device=weight.device)
+        return KVCache.allocate(
+            self.num_layers, num_slots, max_len, entry, dtype=weight.dtype, device=weight.device, table=table
+        )
 
     def embed(self, ids: Tensor) -> Tensor:
         """``ids: [T] int64`` -> ``[T, H]``."""
@@ -214,7 +216,7 @@ class DeepseekV3(nn.Module):
         if return_aux and not all(0 <= i <= self.num_layers for i in self.aux_layer_ids):
             raise ValueError(f"aux_layer_ids {self.aux_layer_ids} outside hidden_states indices 0..{self.num_layers}")
         cache.begin_forward(batch)
-        layout = RaggedLayout.build(batch)
+        layout = RaggedLayout.build(batch, cache)
         return self.forward_layout(
             layout, batch.input_ids, batch.positions, cache.layers, batch.logits_indices, return_hidden, return_aux
         )

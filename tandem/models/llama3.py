@@ -1,4 +1,4 @@
-"""Llama 3 target: GQA attention over a slot KV cache, RoPE with ``llama3`` frequency scaling.
+"""Llama 3 target: GQA attention over a paged KV cache, RoPE with ``llama3`` frequency scaling.
 
 Module names mirror the published checkpoints (``model.layers.{i}.self_attn.o_proj.weight``,
 ``lm_head.weight``, ...) except the merged projections, which name their parts' keys
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.models.attention import RaggedLayout
-from tandem.models.base import ForwardBatch, KVCache, TargetOutput, default_aux_layer_ids
+from tandem.models.base import BlockTable, ForwardBatch, KVCache, TargetOutput, default_aux_layer_ids
 from tandem.models.config import LlamaConfig
 from tandem.models.layers import Layer
 from tandem.models.linear import Linear, MergedLinear, linear
@@ -30,7 +30,7 @@ from tandem.models.rope import Rotary, Rotation
 
 
 class Attention(Layer):
-    """GQA self-attention writing into and reading from a slot cache. ``x: [T, input_size] -> [T, H]``.
+    """GQA self-attention writing into and reading from a paged cache. ``x: [T, input_size] -> [T, H]``.
 
     ``input_size`` is the hidden size except in EAGLE-3's draft layer (2 * hidden). The q/k/v
     projections are one :class:`MergedLinear` (checkpoint keys ``q_proj``, ``k_proj``, ``v_proj``).
@@ -47,7 +47,7 @@ class Attention(Layer):
         self.o_proj = Linear(q_size, hidden, bias=bias, **factory)
 
     def forward(self, x: Tensor, rope: Rotation, layout: RaggedLayout, cache: Tensor) -> Tensor:
-        """Write the batch's K/V into ``cache [slots, max_len, 2, nkv, d]`` at the tokens' positions, then
+        """Write the batch's K/V into ``cache [num_blocks, block_size, 2, nkv, d]`` at the tokens' positions, then
         attend (``rope``: what :class:`Rotary` returned for those positions)."""
         rotated_heads = self.num_heads + self.num_kv_heads
         num_tokens = x.shape[0]  # not len(x): Tensor.__len__ is a Python-level method, slower than the shape
@@ -113,11 +113,13 @@ class Llama3(nn.Module):
             load_module(self.lm_head_proj, weights.take, "lm_head.")
         weights.finish(ignore=[r"lm_head\.weight$"] if self.tied else [])
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """``num_layers`` caches ``[num_slots, max_len, 2, num_key_value_heads, head_dim]``."""
+    def new_cache(self, num_slots: int, max_len: int, *, table: BlockTable | None = None) -> KVCache:
+        """``num_layers`` pools ``[num_blocks, block_size, 2, num_key_value_heads, head_dim]`` over ``table``."""
         entry = kv_entry_shape(self.model.layers[0].self_attn)
         param = self.model.embed_tokens.weight
-        return KVCache.allocate(self.num_layers, num_slots, max_len, entry, dtype=param.dtype, device=param.device)
+        return KVCache.allocate(
+            self.num_layers, num_slots, max_len, entry, dtype=param.dtype, device=param.device, table=table
+        )
 
     def embed(self, ids: Tensor) -> Tensor:
         """``ids: [T] int64`` -> ``[T, H]``."""
@@ -136,7 +138,7 @@ class Llama3(nn.Module):
 
         The host's part (the cache's checks, the layout), then :meth:`forward_layout`."""
         cache.begin_forward(batch)
-        layout = RaggedLayout.build(batch)
+        layout = RaggedLayout.build(batch, cache)
         return self.forward_layout(
             layout, batch.input_ids, batch.positions, cache.layers, batch.logits_indices, return_hidden, return_aux
         )

@@ -1,10 +1,15 @@
 """Loading Hugging Face-format directories into providers, without network.
 
 A directory holds ``config.json`` and ``model.safetensors`` or a sharded
-``model.safetensors.index.json``. :func:`load_target` and :func:`load_draft` pick the provider
-module and its typed config (:mod:`tandem.models.config`) from a small registry keyed by the
-config's ``architectures`` (first) or ``model_type``, parse ``config.json`` into that config once,
-and call the builder every provider module exposes::
+``model.safetensors.index.json``; drafts published only as ``pytorch_model.bin`` (or a sharded
+``pytorch_model.bin.index.json``) are read with ``torch.load(weights_only=True)``. An FP8
+block-quantized checkpoint (DeepSeek-V3's published layout) is dequantized tensor by tensor as it is
+read (:mod:`tandem.models.fp8`); any other ``quantization_config`` is refused.
+
+:func:`load_target` and :func:`load_draft` pick the provider module and its typed config
+(:mod:`tandem.models.config`) from a small registry keyed by the config's ``architectures`` (first)
+or ``model_type``, parse ``config.json`` into that config once, and call the builder every provider
+module exposes::
 
     build(config: <its config>, weights: WeightReader | None, *, dtype: torch.dtype,
           device: torch.device, target: Target | None = None) -> Target | Draft
@@ -33,6 +38,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from tandem.models import fp8
 from tandem.models.base import Draft, Target
 from tandem.models.config import DeepseekV3Config, Eagle3Config, EagleConfig, LlamaConfig, NgramConfig, SuffixConfig
 from tandem.models.linear import MergedLinear
@@ -53,6 +59,10 @@ DRAFT_MODULES = {  # config architectures[0] (or a kind name) -> (provider modul
     "Eagle3DeepseekV2ForCausalLM": ("tandem.models.drafts.eagle3", Eagle3Config),
     "Eagle3DeepseekV3ForCausalLM": ("tandem.models.drafts.eagle3", Eagle3Config),
 }
+CHECKPOINT_FILES = (  # (sharded index, single file), in order of preference
+    ("model.safetensors.index.json", "model.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -66,6 +76,14 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: expected a Hugging Face model directory")
     return json.loads(file.read_text())
+
+
+def generation_eos_ids(path: str | Path) -> tuple[int, ...]:
+    """The ``eos_token_id`` of a model directory's ``generation_config.json`` (an int or a list, as
+    published), as a tuple; () when the file or the entry is absent."""
+    file = Path(path) / "generation_config.json"
+    eos = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, config: dict[str, Any]) -> torch.dtype:
@@ -82,28 +100,35 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: dict[str, Any]) -> to
 
 
 class WeightReader:
-    """Lazy reader over ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
+    """Lazy reader over a checkpoint directory's tensors: ``model.safetensors`` or a sharded
+    ``model.safetensors.index.json``, else ``pytorch_model.bin`` or ``pytorch_model.bin.index.json``.
 
     ``take(key, shape)`` returns a tensor converted to the reader's ``dtype`` on its ``device``
-    and records the key as used; :meth:`finish` then names every tensor nobody took.
+    (an FP8 weight dequantized with its ``weight_scale_inv``) and records the key as used;
+    :meth:`finish` then names every tensor nobody took. The directory's quantization is read from
+    its ``config.json`` (``quantization_config``) or AutoGPTQ's ``quantize_config.json``, and anything
+    but :data:`tandem.models.fp8.SUPPORTED` raises ValueError here, before a tensor is read.
     """
 
     def __init__(self, path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         self.path = Path(path)
         self.dtype, self.device = dtype, torch.device(device)
-        index = self.path / "model.safetensors.index.json"
-        single = self.path / "model.safetensors"
-        if index.is_file():
-            self._shard_of = {
-                key: self.path / shard for key, shard in json.loads(index.read_text())["weight_map"].items()
-            }
-        elif single.is_file():
-            with safe_open(single, framework="pt") as f:
-                self._shard_of = dict.fromkeys(f.keys(), single)
-        else:
-            raise FileNotFoundError(f"{self.path}: neither model.safetensors nor model.safetensors.index.json")
+        self.block = fp8.block_size(*_quantization(self.path))  # FP8 block (rows, columns); None: unquantized
         self._handles: dict[Path, Any] = {}
         self._used: set[str] = set()
+        for index, single in CHECKPOINT_FILES:
+            if (self.path / index).is_file():
+                weight_map = json.loads((self.path / index).read_text())["weight_map"]
+                self._shard_of = {key: self.path / shard for key, shard in weight_map.items()}
+                break
+            if (self.path / single).is_file():
+                self._shard_of = dict.fromkeys(self._handle(self.path / single).keys(), self.path / single)
+                break
+        else:
+            raise FileNotFoundError(
+                f"{self.path}: neither model.safetensors nor model.safetensors.index.json "
+                "(nor pytorch_model.bin or pytorch_model.bin.index.json)"
+            )
 
     def keys(self) -> list[str]:
         return sorted(self._shard_of)
@@ -113,16 +138,24 @@ class WeightReader:
 
     def _open(self, key: str):
         shard = self._shard_of[key]
+        if shard not in self._handles and not shard.is_file():
+            raise CheckpointError(f"{self.path}: shard {shard.name} (holding {key!r}) is missing")
+        return self._handle(shard)
+
+    def _handle(self, shard: Path):
+        """The open reader of ``shard`` (safetensors' lazy one, or a whole ``.bin`` file), opened once."""
         if shard not in self._handles:
-            if not shard.is_file():
-                raise CheckpointError(f"{self.path}: shard {shard.name} (holding {key!r}) is missing")
-            self._handles[shard] = safe_open(shard, framework="pt", device="cpu")
+            is_bin = shard.suffix == ".bin"
+            self._handles[shard] = _TorchShard(shard) if is_bin else safe_open(shard, framework="pt", device="cpu")
         return self._handles[shard]
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The stored shape of ``key`` (reads no data)."""
         self._require(key, None)
-        return tuple(self._open(key).get_slice(key).get_shape())
+        handle = self._open(key)
+        if isinstance(handle, _TorchShard):
+            return tuple(handle.tensors[key].shape)
+        return tuple(handle.get_slice(key).get_shape())
 
     def _require(self, key: str, shape: tuple[int, ...] | None) -> None:
         if key not in self._shard_of:
@@ -143,10 +176,38 @@ class WeightReader:
             )
         if not (tensor.is_floating_point() or dtype is not None):
             raise CheckpointError(f"{self.path}: tensor {key!r} has dtype {tensor.dtype}, expected a float tensor")
-        if tensor.dtype.itemsize == 1 and tensor.is_floating_point():
-            raise CheckpointError(f"{self.path}: tensor {key!r} is {tensor.dtype}: dequantize the checkpoint first")
+        scale_key = key + fp8.SCALE_SUFFIX
+        if scale_key in self._shard_of:
+            tensor = self._dequantized(key, tensor, scale_key, dtype or self.dtype)
+        elif tensor.dtype.itemsize == 1 and tensor.is_floating_point():
+            raise CheckpointError(
+                f"{self.path}: tensor {key!r} is {tensor.dtype}: dequantize the checkpoint first "
+                f"(tandem reads FP8 weights with their {scale_key!r} under an fp8 quantization_config)"
+            )
         self._used.add(key)
         return tensor.to(device=self.device, dtype=dtype or self.dtype)
+
+    def _dequantized(self, key: str, weight: Tensor, scale_key: str, dtype: torch.dtype) -> Tensor:
+        """FP8 ``weight`` (tensor ``key``) times its block scales (tensor ``scale_key``, then counted as used),
+        in ``dtype`` on the reader's device."""
+        if self.block is None:
+            raise CheckpointError(
+                f"{self.path}: tensor {scale_key!r} is a block scale, but config.json has no fp8 quantization_config"
+            )
+        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+            raise CheckpointError(
+                f"{self.path}: tensor {key!r} is {weight.dtype} {tuple(weight.shape)}: expected a 2-D float8_e4m3fn "
+                f"weight beside {scale_key!r}"
+            )
+        scale = self._open(scale_key).get_tensor(scale_key)
+        expected = fp8.scale_shape(tuple(weight.shape), self.block)
+        if tuple(scale.shape) != expected:
+            raise CheckpointError(
+                f"{self.path}: tensor {scale_key!r} has shape {tuple(scale.shape)}, expected {expected} "
+                f"(blocks of {self.block} over {key!r} {tuple(weight.shape)})"
+            )
+        self._used.add(scale_key)
+        return fp8.dequantize(weight.to(self.device), scale.to(self.device), self.block, dtype)
 
     def unused(self, ignore: Iterable[str] = ()) -> list[str]:
         """Keys nobody took, except those matching a regex in ``ignore`` (``re.match``)."""
@@ -160,6 +221,30 @@ class WeightReader:
         if left:
             shown = left[:20] + ([f"... {len(left) - 20} more"] if len(left) > 20 else [])
             raise CheckpointError(f"{self.path}: {len(left)} tensors were not used by the model: {shown}")
+
+
+class _TorchShard:
+    """A ``pytorch_model*.bin`` file, read whole by ``torch.load(weights_only=True)`` (which runs no pickled
+    code), answering ``keys`` and ``get_tensor`` as a safetensors reader does."""
+
+    def __init__(self, file: Path):
+        self.tensors: dict[str, Tensor] = torch.load(file, map_location="cpu", weights_only=True)
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def get_tensor(self, key: str) -> Tensor:
+        return self.tensors[key]
+
+
+def _quantization(path: Path) -> tuple[dict[str, Any] | None, Path]:
+    """A checkpoint directory's quantization settings and the file they come from: ``config.json``'s
+    ``quantization_config``, else AutoGPTQ's ``quantize_config.json`` (read as gptq when it names no method)."""
+    config, gptq = path / "config.json", path / "quantize_config.json"
+    settings = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    if settings is None and gptq.is_file():
+        return {"quant_method": "gptq", **json.loads(gptq.read_text())}, gptq
+    return settings, config
 
 
 Registry = dict[str, tuple[str, type]]  # name -> (provider module, config class)

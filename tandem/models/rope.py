@@ -1,8 +1,8 @@
 """Rotary position embeddings: each position's rotation, tabled once, and its application to queries and keys.
 
 Two layouts, one table class each: the half-split form of Llama checkpoints (:class:`Rotary`, with
-``llama3`` frequency scaling) and the interleaved form of DeepSeek-V3's MLA
-(:class:`RotaryEmbedding`, optional YaRN). Settings come typed
+transformers' rope types: linear, dynamic, llama3, yarn, longrope) and the interleaved form of
+DeepSeek-V3's MLA (:class:`RotaryEmbedding`, optional YaRN). Settings come typed
 (:class:`~tandem.models.config.RopeParameters`). A provider calls its table once per forward for
 the batch's positions and gets the step's :class:`Rotation`; every layer rotates its queries and
 keys with ``rope.apply(x)``, whatever the layout and the form.
@@ -30,7 +30,20 @@ YaRN (``rope_type == "yarn"``) follows the DeepSeek reference and transformers 5
 frequencies blend interpolation and extrapolation over the correction range set by
 ``beta_fast``/``beta_slow``; cos/sin are scaled by ``mscale(factor, mscale) /
 mscale(factor, mscale_all_dim)`` and the attention softmax scale by
-``mscale(factor, mscale_all_dim) ** 2`` (:attr:`RotaryEmbedding.softmax_scale_factor`).
+``mscale(factor, mscale_all_dim) ** 2`` (:attr:`RotaryEmbedding.softmax_scale_factor`). Llama's
+attention keeps its softmax scale (transformers' Llama applies only the cos/sin scale).
+
+Rope types that depend on the row's length (``"dynamic"``, ``"longrope"``) rotate the token at
+position ``p`` by the frequencies of a row of ``p + 1`` tokens, which is what transformers computes
+when it decodes token by token (its frequencies follow the longest position of each forward). So a
+row within ``max_position_embeddings`` (dynamic) or ``original_max_position_embeddings`` (longrope)
+rotates exactly as the plain/short frequencies do; past it, each new token's query and key use the
+frequencies stretched for its own length (dynamic: ``rope_theta * (factor * (p + 1) / max_len -
+(factor - 1)) ** (dim / (dim - 2))``; longrope: the long factors), while the keys already cached keep
+the rotation they were written with, as transformers' cache keeps them. Per position rather than per
+forward, a token's rotation never depends on how many tokens a step verifies or which rows share the
+batch, so speculative decoding stays exact; transformers' one-forward prefill of a prompt longer than
+those lengths instead stretches all its tokens for the whole prompt.
 """
 
 from __future__ import annotations
@@ -80,22 +93,64 @@ def _yarn(rope: RopeParameters, dim: int) -> tuple[Tensor, float, float]:
     return inv_freq, float(attention_factor), softmax_scale_factor
 
 
-def rope_inv_freq(rope: RopeParameters, head_dim: int) -> Tensor:
-    """Inverse frequencies ``[head_dim // 2] float32``, llama3-scaled when ``rope`` asks for it.
+LENGTH_DEPENDENT = ("dynamic", "longrope")  # rope types whose frequencies follow the row's length
 
-    Llama 3.1 scaling: wavelengths shorter than ``original_max / high_freq_factor`` keep their
-    frequency, those longer than ``original_max / low_freq_factor`` are divided by ``factor``,
-    and the band between interpolates smoothly.
+
+def rope_inv_freq(rope: RopeParameters, head_dim: int, lengths: Tensor | None = None) -> Tensor:
+    """Inverse frequencies ``[head_dim // 2] float32`` of ``rope``'s type, or ``[N, head_dim // 2]`` for
+    rows of ``lengths: [N]`` tokens (only dynamic and longrope depend on them; None: a row within the
+    original context), as transformers' ``ROPE_INIT_FUNCTIONS`` compute them:
+
+    - linear: divided by ``factor``;
+    - dynamic: ``rope_theta`` becomes ``rope_theta * (factor * L / max_len - (factor - 1)) ** (dim /
+      (dim - 2))`` for a row of ``L > max_len`` tokens;
+    - llama3: wavelengths shorter than ``original_max / high_freq_factor`` keep their frequency, those
+      longer than ``original_max / low_freq_factor`` are divided by ``factor``, the band between
+      interpolates smoothly;
+    - yarn: interpolation and extrapolation blended over the correction range;
+    - longrope: each frequency divided by its ``short_factor``, or ``long_factor`` for rows longer
+      than ``original_max``.
     """
-    inv_freq = 1.0 / rope.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    if rope.rope_type == "default":
-        return inv_freq
-    factor, original_max = rope.factor, rope.original_max_position_embeddings
-    low, high = rope.low_freq_factor, rope.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((original_max / wavelen - low) / (high - low)).clamp(0, 1)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return torch.where(wavelen > original_max / low, inv_freq / factor, blended)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / rope.rope_theta**exponents
+    if rope.rope_type == "dynamic" and lengths is not None:
+        max_len = rope.max_position_embeddings
+        stretch = rope.factor * lengths.double().clamp(min=max_len) / max_len - (rope.factor - 1)
+        stretched = 1.0 / (rope.rope_theta * stretch ** (head_dim / (head_dim - 2))).float()[:, None] ** exponents
+        return torch.where(lengths[:, None] > max_len, stretched, inv_freq)
+    if rope.rope_type == "longrope":
+        short, long = (torch.tensor(f, dtype=torch.float32) for f in (rope.short_factor, rope.long_factor))
+        if lengths is None:
+            return inv_freq / short
+        beyond = lengths[:, None] > rope.original_max_position_embeddings
+        return torch.where(beyond, inv_freq / long, inv_freq / short)
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn(rope, head_dim)[0]
+    elif rope.rope_type == "llama3":
+        factor, original_max = rope.factor, rope.original_max_position_embeddings
+        low, high = rope.low_freq_factor, rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((original_max / wavelen - low) / (high - low)).clamp(0, 1)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > original_max / low, inv_freq / factor, blended)
+    return inv_freq if lengths is None else inv_freq.expand(len(lengths), -1)
+
+
+def rope_attention_factor(rope: RopeParameters, head_dim: int) -> float:
+    """The factor of cos and sin (so of queries and keys): yarn's ``mscale`` ratio, longrope's
+    ``sqrt(1 + ln(factor) / ln(original_max))`` (``factor`` defaulting to ``max_len / original_max``),
+    either overridden by ``attention_factor``; 1 for the other types."""
+    if rope.rope_type == "yarn":
+        return _yarn(rope, head_dim)[1]
+    if rope.rope_type != "longrope":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    original_max = rope.original_max_position_embeddings
+    factor = rope.factor or rope.max_position_embeddings / original_max
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original_max))
 
 
 class Rotation(Protocol):
@@ -196,29 +251,43 @@ class RotaryTable:
             return self.elementwise(cos, sin)
         return RotationMatrices(rotation_matrices(cos, sin, self.cos_pattern, self.sin_pattern))
 
+    def _angles(self, size: int, device: torch.device) -> Tensor:
+        """``[size, dim] float32``: each output column's angle at positions ``0 .. size - 1``."""
+        return torch.arange(size, dtype=torch.float32, device=device)[:, None] * self.freq.to(device)
+
     def _build(self, size: int, device: torch.device) -> None:
-        angles = torch.arange(size, dtype=torch.float32, device=device)[:, None] * self.freq.to(device)
+        angles = self._angles(size, device)
         cos, sin = angles.cos() * self.cos_scale.to(device), angles.sin() * self.sin_scale.to(device)
         self.table = torch.stack([cos, sin], dim=1).to(self.table.dtype)
         self.cos_pattern, self.sin_pattern = self.cos_pattern.to(device), self.sin_pattern.to(device)
 
 
 class Rotary(RotaryTable):
-    """Half-split (GPT-NeoX layout) RoPE, as HF Llama checkpoints expect.
+    """Half-split (GPT-NeoX layout) RoPE, as HF Llama checkpoints expect, of any of transformers' rope
+    types (:func:`rope_inv_freq`; the length-dependent ones per position, see the module docstring).
 
     The sine's first half is negated (:class:`HalfSplitRotation`), so the matrix of a position is
-    ``R = identity * cos + half_turn * signed sin``.
+    ``R = identity * cos + half_turn * signed sin``; yarn and longrope scale both by
+    :func:`rope_attention_factor`.
     """
 
     elementwise = HalfSplitRotation
 
     def __init__(self, rope: RopeParameters, head_dim: int, dtype: torch.dtype):
-        inv_freq = rope_inv_freq(rope, head_dim)
+        self.rope, self.head_dim = rope, head_dim
+        inv_freq, scale = rope_inv_freq(rope, head_dim), rope_attention_factor(rope, head_dim)
         sin_sign = torch.cat([-torch.ones_like(inv_freq), torch.ones_like(inv_freq)])
         identity = torch.eye(head_dim)
         half_turn = identity.roll(head_dim // 2, dims=0)  # rotate_half as a matrix: x @ half_turn == roll(x)
         # Both halves rotate by the same angles.
-        super().__init__(torch.cat([inv_freq, inv_freq]), 1.0, sin_sign, identity, half_turn, dtype)
+        super().__init__(torch.cat([inv_freq, inv_freq]), scale, sin_sign * scale, identity, half_turn, dtype)
+
+    def _angles(self, size: int, device: torch.device) -> Tensor:
+        if self.rope.rope_type not in LENGTH_DEPENDENT:
+            return super()._angles(size, device)
+        positions = torch.arange(size)
+        inv_freq = rope_inv_freq(self.rope, self.head_dim, positions + 1)  # [size, dim / 2]: position p, p + 1 tokens
+        return (positions[:, None] * inv_freq.repeat(1, 2)).to(device)
 
 
 class RotaryEmbedding(RotaryTable):

@@ -5,12 +5,19 @@ the app's lifespan). Routes: `GET /health`, `GET /metrics`, `GET /v1/models`,
 `POST /v1/completions` and `POST /v1/chat/completions` (JSON or SSE streaming). Every error is
 an OpenAI error object (see `errors.py`); bodies are parsed by hand so that malformed JSON and
 invalid fields both come back as 400 naming the field, as OpenAI does (never FastAPI's 422).
+
+With an API key (`ServeConfig.api_key`) every /v1 route wants `Authorization: Bearer <key>`
+(401 otherwise); /health and /metrics stay open, for load balancers and scrapers. The limits of
+`ServeConfig` are checked before a request reaches the engine, except the queue's: a request
+waits for an engine row at most `queue_timeout_s` (503 after, and it leaves the engine), and
+at most `max_queued_requests` requests wait at once (429 beyond).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -19,16 +26,19 @@ from typing import Any, TypeVar
 
 import jinja2
 import pydantic
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from tandem.engine.output import RequestOutput
+from tandem.grammars.errors import InvalidGrammarSpec
+from tandem.grammars.spec import GrammarSpec, json_depth
 from tandem.llm import LLM
 from tandem.serve import responses, tools
+from tandem.serve.config import ServeConfig
 from tandem.serve.errors import APIError, from_exception, from_validation, invalid
 from tandem.serve.metrics import Metrics
-from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest, Constraint, SamplingRequest
 from tandem.serve.runner import EngineRunner, Generation, Job
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks that its client is still there
@@ -36,22 +46,52 @@ Body = TypeVar("Body", bound=SamplingRequest)
 
 
 class Server:
-    """The state the routes share: the model, its engine thread and the metrics."""
+    """The state the routes share: the model, its engine thread, the metrics and the limits."""
 
-    def __init__(self, llm: LLM, model_name: str, draft: str | None) -> None:
-        self.llm, self.model_name, self.draft = llm, model_name, draft
+    def __init__(self, llm: LLM, model_name: str, draft: str | None, config: ServeConfig) -> None:
+        self.llm, self.model_name, self.draft, self.config = llm, model_name, draft, config
         self.metrics = Metrics()
         self.runner = EngineRunner(llm.engine, self.metrics)
         self.created = int(time.time())
         self.token_text = functools.lru_cache(maxsize=None)(lambda token_id: llm.tokenizer.decode([token_id]))
+        self.queued = 0  # HTTP requests waiting for an engine row (touched on the event loop only)
+
+    async def authorize(self, request: Request) -> None:
+        """401 unless the request carries the API key (when the server has one), compared in constant time."""
+        key = self.config.api_key
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise APIError(
+                401, "missing API key: send it as the header `Authorization: Bearer <key>`", code="invalid_api_key"
+            )
+        if not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise APIError(401, "incorrect API key", code="invalid_api_key")
 
     async def parse(self, request: Request, body_type: type[Body]) -> Body:
-        """The request body as `body_type`; 400 for malformed JSON or invalid fields, 404 for another model."""
-        raw = await request.body()
+        """The request body as `body_type`; 413 past `max_body_bytes`, 400 for malformed JSON or invalid
+        fields, 404 for another model."""
+        limit = self.config.max_body_bytes
+        too_large = APIError(
+            413,
+            f"the request body is larger than the server's limit max_body_bytes = {limit}",
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        raw = bytearray()
+        async for chunk in request.stream():  # a body without Content-Length is counted as it arrives
+            raw += chunk
+            if len(raw) > limit:
+                raise too_large
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise invalid(f"request body is not valid JSON: {error}", code="invalid_json") from None
+        except RecursionError:
+            raise invalid("request body is nested too deeply to parse", code="invalid_json") from None
         try:
             body = body_type.model_validate(data)
         except pydantic.ValidationError as error:
@@ -68,13 +108,49 @@ class Server:
     def context(self, object_prefix: str) -> responses.ResponseContext:
         return responses.ResponseContext(object_prefix, self.model_name, self.draft, self.llm.engine.k, self.token_text)
 
+    def check_constraint(self, constraint: Constraint | None, tool_list: list[tools.Tool]) -> None:
+        """400 for a JSON schema of the request (its constraint's, a tool's parameters) past
+        `max_schema_depth` or `max_schema_bytes`, or for a grammar neither GBNF/EBNF nor Lark."""
+        if constraint is not None and constraint.kind == "grammar":
+            try:  # parsed here as the engine will, so that the error names the request's field
+                GrammarSpec.grammar(constraint.value)
+            except InvalidGrammarSpec as error:
+                raise invalid(f"{constraint.param}: {error}", param=constraint.param, code="invalid_grammar") from None
+        schemas = [(constraint.value, constraint.param)] if constraint and constraint.kind == "json_schema" else []
+        schemas += [(tool.function.parameters, f"tools.{i}.function.parameters") for i, tool in enumerate(tool_list)]
+        for schema, param in schemas:
+            depth, limit = json_depth(schema), self.config.max_schema_depth
+            if depth > limit:
+                raise invalid(
+                    f"{param}: the JSON schema nests objects and arrays {depth} levels deep, past the server's "
+                    f"limit max_schema_depth = {limit}",
+                    param=param,
+                    code="schema_too_deep",
+                )
+            size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())
+            if size > self.config.max_schema_bytes:
+                raise invalid(
+                    f"{param}: the JSON schema is {size} bytes, past the server's limit max_schema_bytes = "
+                    f"{self.config.max_schema_bytes}",
+                    param=param,
+                    code="schema_too_large",
+                )
+
     def jobs(
-        self, body: SamplingRequest, prompt: list[int], schema: dict | bool | None, prompt_param: str
+        self, body: SamplingRequest, prompt: list[int], constraint: Constraint | None, prompt_param: str
     ) -> list[Job]:
-        """The engine requests of one prompt: one per choice, max_tokens defaulting to the room left."""
-        engine = self.llm.engine
+        """The engine requests of one prompt: one per choice, max_tokens defaulting to the room left
+        (at most `max_new_tokens`)."""
+        engine, limit = self.llm.engine, self.config.max_new_tokens
         room = engine.config.max_model_len - len(prompt) - engine.k - 1
         budget = body.token_budget()
+        if budget is not None and limit is not None and budget > limit:
+            param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            raise invalid(
+                f"{param} = {budget} is past the server's limit max_new_tokens = {limit}",
+                param=param,
+                code="max_tokens_exceeded",
+            )
         if budget is not None and 1 <= room < budget:
             raise invalid(
                 f"prompt has {len(prompt)} tokens and {budget} new tokens were asked for, but the context "
@@ -83,25 +159,50 @@ class Server:
                 param=prompt_param,
                 code="context_length_exceeded",
             )
+        budget = budget or max(min(room, limit or room), 1)
         try:
-            return [(prompt, params) for params in body.sampling_params(budget or max(room, 1), schema)]
+            return [(prompt, params) for params in body.sampling_params(budget, constraint)]
         except ValueError as error:
             raise invalid(str(error), code="invalid_value") from None
 
-    async def start(self, jobs: list[Job], schema_param: str, prompt_param: str) -> Generation:
-        """Submit the jobs and wait until the engine admitted them; their errors become APIErrors."""
+    async def start(self, jobs: list[Job], constraint: Constraint | None, prompt_param: str) -> Generation:
+        """Submit the jobs and wait until one has its engine row; their errors become APIErrors, and so
+        do a full queue (429) and a wait past `queue_timeout_s` (503, the jobs leave the engine)."""
+        limit, timeout = self.config.max_queued_requests, self.config.queue_timeout_s
+        if self.queued >= limit:
+            raise APIError(
+                429,
+                f"the server is busy: {self.queued} requests wait for the engine, its limit max_queued_requests = "
+                f"{limit}; retry later",
+                code="queue_full",
+            )
         generation = self.runner.submit(jobs)
+        self.queued += 1
         try:
-            await generation.admitted()
-        except Exception as error:
-            raise from_exception(error, schema_param=schema_param, prompt_param=prompt_param) from None
+            await asyncio.wait_for(generation.admitted(), timeout)
+        except BaseException as error:
+            generation.abort()  # a no-op for a rejected generation: nothing of it is in the engine
+            if isinstance(error, TimeoutError):
+                raise APIError(
+                    503,
+                    f"the request waited for the engine past the server's limit queue_timeout_s = {timeout:g}; "
+                    "retry later",
+                    code="queue_timeout",
+                ) from None
+            if isinstance(error, Exception):
+                schema_param = constraint.param if constraint else "response_format"
+                raise from_exception(error, schema_param=schema_param, prompt_param=prompt_param) from None
+            raise  # cancelled: the client left
+        finally:
+            self.queued -= 1
         return generation
 
 
-def create_app(llm: LLM, model_name: str, draft: str | None) -> FastAPI:
+def create_app(llm: LLM, model_name: str, draft: str | None, config: ServeConfig | None = None) -> FastAPI:
     """The OpenAI-compatible app over `llm` (whose engine only the app's runner thread may touch
-    from now on), serving it as `model_name`; `draft` names the draft in responses."""
-    server = Server(llm, model_name, draft)
+    from now on), serving it as `model_name` with `config`'s key and limits (`config`'s engine settings
+    are `build_app`'s); `draft` names the draft in responses."""
+    server = Server(llm, model_name, draft, config or ServeConfig())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -135,10 +236,13 @@ def create_app(llm: LLM, model_name: str, draft: str | None) -> FastAPI:
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics(request: Request) -> Response:
+        body, content_type = server.metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(server.authorize)])
+
+    @v1.get("/models")
     async def models() -> dict[str, Any]:
         card = {
             "id": model_name,
@@ -149,9 +253,10 @@ def create_app(llm: LLM, model_name: str, draft: str | None) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await server.parse(request, ChatCompletionRequest)
+        server.check_constraint(body.constraint(), body.tools or [])
         plan = tools.plan(body)
         try:
             prompt = llm.chat_prompt(
@@ -161,7 +266,7 @@ def create_app(llm: LLM, model_name: str, draft: str | None) -> FastAPI:
         except jinja2.TemplateError as error:
             raise invalid(f"the chat template cannot render these messages: {error}", param="messages") from None
         generation = await server.start(
-            server.jobs(body, prompt, plan.schema, "messages"), plan.schema_param, "messages"
+            server.jobs(body, prompt, plan.constraint, "messages"), plan.constraint, "messages"
         )
         ctx = server.context("chatcmpl")
         if body.stream:
@@ -170,13 +275,14 @@ def create_app(llm: LLM, model_name: str, draft: str | None) -> FastAPI:
         outputs = await _collect(generation, request)
         return JSONResponse(responses.chat_completion(ctx, len(prompt), outputs, plan.tools))
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: Request) -> Response:
         body = await server.parse(request, CompletionRequest)
+        constraint = body.constraint()
+        server.check_constraint(constraint, [])
         prompts = [llm.encode(prompt) for prompt in body.prompts()]
-        schema = body.output_schema()
-        jobs = [job for prompt in prompts for job in server.jobs(body, prompt, schema, "prompt")]
-        generation = await server.start(jobs, "response_format", "prompt")
+        jobs = [job for prompt in prompts for job in server.jobs(body, prompt, constraint, "prompt")]
+        generation = await server.start(jobs, constraint, "prompt")
         ctx, prompt_tokens = server.context("cmpl"), sum(len(prompt) for prompt in prompts)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -184,6 +290,7 @@ def create_app(llm: LLM, model_name: str, draft: str | None) -> FastAPI:
         outputs = await _collect(generation, request)
         return JSONResponse(responses.completion(ctx, prompt_tokens, outputs))
 
+    app.include_router(v1)
     return app
 
 

@@ -8,11 +8,18 @@ Ranges follow OpenAI's where it defines them; a violation is reported by
 does not implement (`UNSUPPORTED`) are refused unless they ask for nothing; unknown fields and
 informational ones (`user`, `metadata`, ...) are ignored, as vLLM does. tandem's extension
 `json_whitespace` bounds the whitespace of JSON answers (SamplingParams.json_whitespace).
+
+What the answer must match (`SamplingRequest.constraint`) comes from OpenAI's `response_format`
+or from the fields vLLM users send: `structured_outputs` {json, json_object, regex, choice,
+grammar} and the older top-level `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar`; at most one of them per request. Like `response_format`, they constrain the
+answer only, never the reasoning.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
@@ -20,6 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from tandem.core.checks import MAX_JSON_WHITESPACE
 from tandem.decoding.params import MAX_LOGPROBS, SamplingParams
+from tandem.serve.errors import invalid
 
 MAX_N = 8  # choices per request; each one is a row of the engine batch
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
@@ -91,6 +99,35 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` (the answer's constraint; `grammar` is GBNF/EBNF or Lark,
+    `GrammarSpec.grammar`). Its backend options are ignored: tandem picks the backend that honours the
+    constraint exactly. `structural_tag` is refused, since ignoring it would leave the answer free."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: Any = None
+
+    @field_validator("structural_tag")
+    @classmethod
+    def _refuse_structural_tag(cls, value: Any) -> None:
+        if value is not None:
+            raise PydanticCustomError("unsupported_parameter", "tandem does not implement structural_tag")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's answer must match: `kind` is the SamplingParams field that takes `value`;
+    `param` is the request field it came from (`response_format`, `guided_regex`, ...)."""
+
+    kind: Literal["json_schema", "regex", "choice", "grammar"]
+    value: Any
+    param: str
+
+
 class SamplingRequest(_Body):
     """Fields shared by chat and text completions."""
 
@@ -106,6 +143,11 @@ class SamplingRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, description="vLLM's extension; 1: off")
@@ -139,13 +181,43 @@ class SamplingRequest(_Body):
             raise ValueError(f"at most {MAX_STOP} non-empty strings")
         return stops
 
-    def output_schema(self) -> dict[str, Any] | bool | None:
-        """The JSON schema `response_format` puts on the answer, or None for free text."""
-        if isinstance(self.response_format, JSONObjectFormat):
-            return {"type": "object"}
-        if isinstance(self.response_format, JSONSchemaResponseFormat):
-            return self.response_format.json_schema.schema_
-        return None
+    def constraint(self) -> Constraint | None:
+        """What the answer must match (None: free text); a 400 APIError when two fields constrain it,
+        or for a JSON schema given as text that is not JSON."""
+        response_format, outputs = self.response_format, self.structured_outputs or StructuredOutputs()
+        if isinstance(response_format, JSONSchemaResponseFormat):
+            format_schema = response_format.json_schema.schema_
+        else:
+            format_schema = {"type": "object"} if isinstance(response_format, JSONObjectFormat) else None
+        fields = [
+            ("response_format", "json_schema", format_schema),
+            ("structured_outputs.json", "json_schema", outputs.json_),
+            ("structured_outputs.json_object", "json_schema", {"type": "object"} if outputs.json_object else None),
+            ("structured_outputs.regex", "regex", outputs.regex),
+            ("structured_outputs.choice", "choice", outputs.choice),
+            ("structured_outputs.grammar", "grammar", outputs.grammar),
+            ("guided_json", "json_schema", self.guided_json),
+            ("guided_regex", "regex", self.guided_regex),
+            ("guided_choice", "choice", self.guided_choice),
+            ("guided_grammar", "grammar", self.guided_grammar),
+        ]
+        given = [Constraint(kind, value, param) for param, kind, value in fields if value is not None]
+        if len(given) > 1:
+            raise invalid(
+                f"{given[0].param} and {given[1].param} both constrain the answer; give at most one",
+                param=given[1].param,
+                code="conflicting_constraints",
+            )
+        if not given:
+            return None
+        constraint = given[0]
+        if constraint.kind != "json_schema" or not isinstance(constraint.value, str):
+            return constraint
+        try:  # vLLM takes a JSON schema as JSON text too
+            return Constraint("json_schema", json.loads(constraint.value), constraint.param)
+        except (json.JSONDecodeError, RecursionError) as error:
+            message = f"{constraint.param}: the schema is not valid JSON: {error}"
+            raise invalid(message, param=constraint.param, code="invalid_schema") from None
 
     def token_budget(self) -> int | None:
         """The request's cap on new tokens (None: up to the context length)."""
@@ -155,8 +227,8 @@ class SamplingRequest(_Body):
         """`SamplingParams.logprobs`: None, or how many most likely tokens to return beside each one."""
         return None
 
-    def sampling_params(self, max_tokens: int, json_schema: dict[str, Any] | bool | None) -> list[SamplingParams]:
-        """One SamplingParams per choice; choice i of a seeded request uses seed + i."""
+    def sampling_params(self, max_tokens: int, constraint: Constraint | None) -> list[SamplingParams]:
+        """One SamplingParams per choice, the answer under `constraint`; choice i of a seeded request uses seed + i."""
         return [
             SamplingParams(
                 temperature=self.temperature,
@@ -166,7 +238,7 @@ class SamplingRequest(_Body):
                 seed=None if self.seed is None else (self.seed + i) % SEED_MODULUS,
                 max_tokens=max_tokens,
                 stop=self.stop,
-                json_schema=json_schema,
+                **({constraint.kind: constraint.value} if constraint is not None else {}),
                 json_whitespace=self.json_whitespace,
                 logprobs=self.num_logprobs(),
                 presence_penalty=self.presence_penalty or 0.0,

@@ -58,10 +58,17 @@ class ResponseContext:
         }
 
 
-def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict[str, int]:
-    """OpenAI usage counts; completion tokens include reasoning and thinking markers."""
+def usage(prompt_tokens: int, outputs: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI usage counts; completion tokens include reasoning and thinking markers; `cached_tokens`: the
+    prompt tokens the prefix cache served (the most any choice's row found)."""
     completion = sum(len(output.token_ids) for output in outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    cached = max((output.num_cached_tokens for output in outputs), default=0)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def chat_logprobs(ctx: ResponseContext, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:

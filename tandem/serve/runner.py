@@ -5,10 +5,11 @@ request per choice. Commands (start, abort, stop) travel to the engine thread th
 thread-safe queue and are applied between steps. The thread
 
 1. applies pending commands (blocking on the queue only while it has nothing to run),
-2. admits submissions whose grammar finished compiling — a grammar error or a prompt that does
-   not fit rejects the whole submission before anything runs, so a bad request never reaches
-   the batch,
-3. runs one `Engine.step()`, and
+2. adds to the engine the submissions whose grammar finished compiling — a grammar error or a
+   prompt that does not fit rejects the whole submission before anything runs, so a bad request
+   never reaches the batch,
+3. runs one `Engine.step()` (which gives waiting requests free rows) and settles `admitted()` of
+   the generations that now have a row (with n > 1 choices and few rows, the others follow), and
 4. hands each generation its deltas and finished outputs with `loop.call_soon_threadsafe`.
 
 A generation whose client went away is aborted by its handler; the abort frees the engine rows
@@ -50,7 +51,7 @@ class EngineFailure(RuntimeError):
 class Generation:
     """The engine requests of one HTTP request (choice i = jobs[i]), seen from the event loop.
 
-    `admitted()` waits until the engine accepted every job or raises why it did not;
+    `admitted()` waits until a job has its row in the engine's batch or raises why none can;
     `events()` then yields each choice's deltas and its final output; `abort()` drops the rest.
     """
 
@@ -67,7 +68,7 @@ class Generation:
         return self._remaining == 0
 
     async def admitted(self) -> None:
-        """Wait until the engine queued every job; raises the admission error (grammar, prompt length)."""
+        """Wait until a job runs (has its engine row); raises the admission error (grammar, prompt length)."""
         await self._admitted
 
     async def events(self) -> AsyncIterator[Event]:
@@ -128,6 +129,7 @@ class EngineRunner:
         self._commands: queue.Queue[tuple[str, Generation | None]] = queue.Queue()
         self._pending: list[_Pending] = []
         self._live: dict[str, tuple[Generation, int]] = {}  # engine request id -> (generation, choice)
+        self._waiting: dict[Generation, list[str]] = {}  # in the engine, every request still without a row
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
 
     def start(self) -> None:
@@ -172,8 +174,10 @@ class EngineRunner:
         except Exception as error:  # a bug in a model or backend: fail what runs, keep serving
             self._fail_all(EngineFailure(f"engine step failed: {type(error).__name__}: {error}"))
             return
+        self._resolve_running()
         self._deliver(deltas)
         self.metrics.record_step(time.perf_counter() - start)
+        self.metrics.record_kv(self.engine.kv_stats())
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands; False once told to stop."""
@@ -216,11 +220,22 @@ class EngineRunner:
                 generation.resolve(error)
                 continue
             self._live.update({request_id: (generation, index) for request_id, index in added})
-            generation.resolve()
+            self._waiting[generation] = [request_id for request_id, _ in added]
+
+    def _resolve_running(self) -> None:
+        """Settle `admitted()` of the generations one of whose requests left the engine's waiting queue."""
+        if not self._waiting:
+            return
+        waiting = {request.request_id for request in self.engine.scheduler.waiting}
+        for generation, request_ids in list(self._waiting.items()):
+            if not waiting.issuperset(request_ids):
+                del self._waiting[generation]
+                generation.resolve()
 
     def _abort(self, generation: Generation) -> None:
         """Drop the generation's unfinished requests; their outputs (finish reason "abort") are delivered."""
-        if any(p.generation is generation for p in self._pending):
+        in_engine_waiting = self._waiting.pop(generation, None)
+        if in_engine_waiting or any(p.generation is generation for p in self._pending):
             self._pending = [p for p in self._pending if p.generation is not generation]
             generation.resolve(None, cancelled=True)
         events: list[Event | Exception] = []
@@ -250,7 +265,10 @@ class EngineRunner:
 
     def _fail_all(self, error: Exception) -> None:
         for generation in {generation for generation, _ in self._live.values()}:
-            generation.deliver([error])
+            if self._waiting.pop(generation, None):
+                generation.resolve(error)
+            else:
+                generation.deliver([error])
         for request_id in list(self._live):
             self.engine.abort(request_id)
             self.engine.pop_finished(request_id)

@@ -6,42 +6,46 @@ benchmark use it); `tandem serve` (`tandem.cli.serve`) is the foreground server.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 from tandem.assets import DEFAULT_MODEL
+from tandem.serve.config import ServeConfig
 
 STARTUP_TIMEOUT_S = 30.0
-SUFFIX_STORE_TOKENS = 32768  # the suffix draft's store of finished requests (prompts and outputs), in tokens
 
 
 def build_app(
-    model: str = DEFAULT_MODEL,
-    draft: str | None = "auto",
-    num_speculative_tokens: int = 4,
-    served_model_name: str | None = None,
-    max_num_seqs: int = 8,
-    graph_mode: str = "auto",
-    suffix_store_tokens: int = SUFFIX_STORE_TOKENS,
+    model: str = DEFAULT_MODEL, draft: str | None = "auto", config: ServeConfig | None = None, **settings: Any
 ) -> FastAPI:
     """Load the model (and its draft: "auto" = the best one available, None = plain decoding) and
-    return the app serving it; `graph_mode` as `tandem.LLM`'s. With the suffix draft, finished
-    requests go into a store of `suffix_store_tokens` tokens (0: none) that later requests draft from,
-    matched by content (`tandem.models.drafts.suffix.SuffixStore`)."""
+    return the app serving it as `config` says; `settings` replace fields of `config` (or of the
+    default ServeConfig): `build_app("demo-llama", max_num_seqs=2, api_key="k")`."""
     from tandem.llm import LLM, best_draft, resolve_model
     from tandem.models.drafts.suffix import SuffixDraft, SuffixStore
     from tandem.serve.app import create_app
 
-    draft = best_draft(resolve_model(model)) if draft == "auto" else draft
+    config = dataclasses.replace(config or ServeConfig(), **settings)
+    draft = best_draft(resolve_model(model, config.revision)) if draft == "auto" else draft
     llm = LLM(
-        model, draft, num_speculative_tokens=num_speculative_tokens, max_num_seqs=max_num_seqs, graph_mode=graph_mode
+        model,
+        draft,
+        revision=config.revision,
+        num_speculative_tokens=config.num_speculative_tokens,
+        max_num_seqs=config.max_num_seqs,
+        graph_mode=config.graph_mode,
+        kv_cache_memory=config.kv_cache_memory,
+        block_size=config.block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
     )
-    if isinstance(llm.draft, SuffixDraft) and suffix_store_tokens > 0:
-        llm.draft.store = SuffixStore(suffix_store_tokens, max_depth=llm.draft.max_depth)
-    return create_app(llm, served_model_name or model, draft)
+    if isinstance(llm.draft, SuffixDraft) and config.suffix_store_tokens > 0:
+        llm.draft.store = SuffixStore(config.suffix_store_tokens, max_depth=llm.draft.max_depth)
+    return create_app(llm, config.served_model_name or model, draft, config)
 
 
 class ServerThread:

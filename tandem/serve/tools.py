@@ -6,10 +6,11 @@ constrained per `tool_choice`:
 
 - a named function: exactly a call of that function, arguments following its `parameters`;
 - `required`: a call of any offered tool (`anyOf` of the calls);
-- `auto`: a call of any tool, or an ordinary answer — the `response_format` schema if one is
-  given, else any JSON object without an `arguments` key (so that whatever has the shape of a
-  call is a valid call);
-- `none` (or no tools): only `response_format` applies, and the answer is never read as a call.
+- `auto`: a call of any tool, or an ordinary answer — the request's JSON schema (`response_format`,
+  `structured_outputs.json`, ...) if one is given, else any JSON object without an `arguments` key
+  (so that whatever has the shape of a call is a valid call); a regex, choice or grammar
+  constraint cannot be combined with tool calls, which are JSON;
+- `none` (or no tools): only the request's own constraint applies, and the answer is never read as a call.
 
 Streamed, a call's arguments arrive piecewise as the model writes them (`CallStream`), once the
 answer's text has started a call and nothing else can start that way.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.serve.errors import invalid
-from tandem.serve.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from tandem.serve.protocol import ChatCompletionRequest, Constraint, NamedToolChoice, Tool
 
 ANY_PLAIN_ANSWER = {"type": "object", "properties": {"arguments": False}}  # any object that is not call-shaped
 
@@ -33,8 +34,7 @@ ANY_PLAIN_ANSWER = {"type": "object", "properties": {"arguments": False}}  # any
 class ToolPlan:
     """What a chat request's answer is constrained to, and whether to read it as a tool call."""
 
-    schema: dict[str, Any] | bool | None  # the answer's JSON schema; None = free text
-    schema_param: str  # the request field the schema came from, for error messages
+    constraint: Constraint | None  # what the answer must match; None = free text
     tools: list[Tool]  # the tools an answer may call (empty: never read as a call)
     # Whether an answer that starts like a call is one, so that a stream may send it piecewise
     # (not when a response_format schema could also admit call-shaped objects).
@@ -55,13 +55,18 @@ def plan(request: ChatCompletionRequest) -> ToolPlan:
     """The answer constraint of a chat request (see the module docstring); raises a 400 APIError
     for a tool_choice naming a tool that is not offered, or tool_choice without tools."""
     tools, choice = request.tools or [], request.tool_choice
-    answer_schema = request.output_schema()
+    answer = request.constraint()
     if not tools:
         if choice not in (None, "none", "auto"):
             raise invalid("tool_choice requires tools", param="tool_choice")
-        return ToolPlan(answer_schema, "response_format", [])
+        return ToolPlan(answer, [])
     if choice == "none":
-        return ToolPlan(answer_schema, "response_format", [])
+        return ToolPlan(answer, [])
+    if answer is not None and answer.kind != "json_schema":
+        raise invalid(
+            f"{answer.param} cannot be combined with tool calls (JSON): give a JSON schema or tool_choice none",
+            param=answer.param,
+        )
     if isinstance(choice, NamedToolChoice):
         named = [tool for tool in tools if tool.function.name == choice.function.name]
         if not named:
@@ -70,12 +75,13 @@ def plan(request: ChatCompletionRequest) -> ToolPlan:
                 f"tool_choice names function {choice.function.name!r}, which is not among tools {offered}",
                 param="tool_choice",
             )
-        return ToolPlan(call_schema(named[0]), "tools", named, stream_calls=True)
+        return ToolPlan(Constraint("json_schema", call_schema(named[0]), "tools"), named, stream_calls=True)
     calls = [call_schema(tool) for tool in tools]
     if choice == "required":
-        return ToolPlan(calls[0] if len(calls) == 1 else {"anyOf": calls}, "tools", tools, stream_calls=True)
-    plain = ANY_PLAIN_ANSWER if answer_schema is None else answer_schema
-    return ToolPlan({"anyOf": [*calls, plain]}, "tools", tools, stream_calls=answer_schema is None)
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return ToolPlan(Constraint("json_schema", schema, "tools"), tools, stream_calls=True)
+    plain = ANY_PLAIN_ANSWER if answer is None else answer.value
+    return ToolPlan(Constraint("json_schema", {"anyOf": [*calls, plain]}, "tools"), tools, stream_calls=answer is None)
 
 
 def parse_call(answer: str, tools: list[Tool]) -> dict[str, Any] | None:

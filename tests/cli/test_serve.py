@@ -77,9 +77,28 @@ def test_serve_answers_a_chat_completion(served):
 
 def test_serve_passes_its_options_to_the_app(monkeypatch):
     from tandem.cli import main
+    from tandem.serve.config import ServeConfig
 
     calls = []
-    monkeypatch.setattr("tandem.cli.serve.build_app", lambda *args: calls.append(args))
-    monkeypatch.setattr("tandem.cli.serve.uvicorn.run", lambda app, **kwargs: None)
+    monkeypatch.setattr("tandem.serve.server.build_app", lambda *args: calls.append(args))
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: None)
+    monkeypatch.setenv("TANDEM_API_KEY", "from-env")
     main(["serve", "--draft", "suffix", "--graph-mode", "eager", "--suffix-store-tokens", "500", "--max-num-seqs", "2"])
-    assert calls == [(DEFAULT_MODEL, "suffix", 4, None, 2, "eager", 500)]
+    main(["serve", "--draft", "none", "--api-key", "k", "--max-new-tokens", "64", "--queue-timeout-s", "2.5"])
+    main(["serve", "--model", "org/name", "--revision", "v1", "--max-queued-requests", "3", "--max-schema-depth", "9"])
+    expected = ServeConfig(max_num_seqs=2, graph_mode="eager", suffix_store_tokens=500, api_key="from-env")
+    assert calls[0] == (DEFAULT_MODEL, "suffix", expected)
+    assert calls[1] == (DEFAULT_MODEL, None, ServeConfig(api_key="k", max_new_tokens=64, queue_timeout_s=2.5))
+    limits = ServeConfig(revision="v1", api_key="from-env", max_queued_requests=3, max_schema_depth=9)
+    assert calls[2] == ("org/name", "auto", limits)
+
+
+def test_serve_without_the_server_extra_names_the_extra_to_install():
+    """As after `pip install -e .`: fastapi missing gives one line and exit status 1, not a traceback."""
+    code = "import sys; sys.modules['fastapi'] = None; from tandem.cli import main; sys.exit(main(['serve']))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        'tandem serve: the server needs fastapi, which is not installed: pip install "tandem[serve]" '
+        '(from a checkout: pip install -e ".[serve]")'
+    ]

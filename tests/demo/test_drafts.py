@@ -9,10 +9,11 @@ from transformers import AutoTokenizer, DeepseekV3ForCausalLM, LlamaForCausalLM
 from tandem import cli
 from tandem.assets import TOKENIZER_DIR
 from tandem.demo.corpus import generate_examples
-from tandem.demo.drafts import DEPTHS, DRAFT_TARGETS, new_head, save_head, ttt_forward, ttt_visibility
+from tandem.demo.drafts import DRAFT_TARGETS, new_head, save_head, ttt_forward
 from tandem.demo.train import SETTINGS_FILE, encode_chat, target_config
 from tandem.models.base import ForwardBatch
 from tandem.models.loading import load_draft, load_target
+from tandem.training.ttt import DEPTHS
 
 TARGET_KIND = {
     "eagle3": ("llama", LlamaForCausalLM),
@@ -20,14 +21,6 @@ TARGET_KIND = {
     "mtp": ("deepseek", DeepseekV3ForCausalLM),
 }
 HIDDEN_KIND = {"eagle3": "aux", "eagle": "last", "mtp": "last"}  # what each loaded draft reads from the target
-
-
-def test_ttt_visibility_is_committed_prefix_plus_one_key_per_earlier_chained_depth():
-    visible = ttt_visibility(num_pairs=4, depth=2).int()
-    # query depth 2, pair 3: committed pairs 0..1 at depth 0, then depth 1 at pair 2 and depth 2 at pair 3
-    assert visible[2 * 4 + 3].tolist() == [1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
-    assert visible[:4, :4].tolist() == torch.ones(4, 4).tril().int().tolist()  # depth 0 is causal
-    assert not visible[:4, 4:].any()  # and never sees a chained step
 
 
 @pytest.fixture(scope="module", params=sorted(DRAFT_TARGETS))

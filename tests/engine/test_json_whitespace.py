@@ -14,7 +14,7 @@ from tandem.decoding.params import SamplingParams
 from tandem.demo.corpus import SYSTEM_PROMPT, Pools
 from tandem.engine.request import grammar_spec
 from tandem.llm import LLM
-from tandem.serve.protocol import ChatCompletionRequest
+from tandem.serve.protocol import ChatCompletionRequest, Constraint
 
 TRIP_SCHEMA = {
     "type": "object",
@@ -79,8 +79,9 @@ def test_the_option_reaches_the_grammar_spec_and_is_validated():
 
 def test_the_server_request_field_defaults_to_json_dumps_separators():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    assert ChatCompletionRequest(**body).sampling_params(8, TRIP_SCHEMA)[0].json_whitespace == "default"
-    (params,) = ChatCompletionRequest(**body, json_whitespace="compact").sampling_params(8, TRIP_SCHEMA)
+    schema = Constraint("json_schema", TRIP_SCHEMA, "response_format")
+    assert ChatCompletionRequest(**body).sampling_params(8, schema)[0].json_whitespace == "default"
+    (params,) = ChatCompletionRequest(**body, json_whitespace="compact").sampling_params(8, schema)
     assert params.json_whitespace == "compact"
     assert ChatCompletionRequest(**body, json_whitespace=3).json_whitespace == 3
     for bad in ("pretty", 65, True):

@@ -91,6 +91,19 @@ OTHER_REWRITES = [  # (schema, what the rewrite leaves)
     ]}),  # {t, x} never holds alone: {t} holds with it
     ({"dependentRequired": {"t": ["x", "radius"], "x": []}},
      {"allOf": [{"anyOf": [{"properties": {"t": False}}, {"required": ["x", "radius"]}]}]}),
+    ({"allOf": [{"type": "object"}], "dependentRequired": {"x": ["t"]},
+      "dependentSchemas": {"t": {"properties": {"x": {"type": "integer"}}, "required": ["x", "t"]}, "x": True,
+                           "radius": False}},
+     {"allOf": [{"type": "object"}, {"anyOf": [{"properties": {"x": False}}, {"required": ["t"]}]},
+                {"anyOf": [{"properties": {"t": False}},
+                           {"properties": {"x": {"type": "integer"}}, "required": ["t", "x"], "type": "object"}]},
+                {"anyOf": [{"properties": {"radius": False}}, False]}]}),
+    # A oneOf tagged by the dependency's own property: disjoint once the property is known present.
+    ({"dependentSchemas": {"kind": {"oneOf": [{"properties": {"kind": {"const": "a"}, "x": {"maximum": 0}}},
+                                              {"properties": {"kind": {"const": "b"}, "x": {"minimum": 2}}}]}}},
+     {"allOf": [{"anyOf": [{"properties": {"kind": False}}, {"type": "object", "required": ["kind"], "anyOf": [
+         {"properties": {"kind": {"const": "a"}, "x": {"maximum": 0}}},
+         {"properties": {"kind": {"const": "b"}, "x": {"minimum": 2}}}]}]}]}),
 ]  # fmt: skip
 
 SCHEMAS = DISJOINT_ONE_OFS + OVERLAPPING_ONE_OFS + [schema for schema, _ in OTHER_REWRITES]
@@ -170,3 +183,31 @@ def test_not_required_rewrite_compiles_and_holds(tokenizer):
         assert walk_instance(compiled, tokenizer.encode(text), tokenizer.eos_token_id, buffer, []) == valid, text
     with pytest.raises(GrammarError, match="properties"):
         compile_grammar(GrammarSpec.json_schema(schema), tokenizer, "outlines")
+
+
+def test_dependent_schemas_compile_and_hold(tokenizer):
+    """MaskBench Glaiveai2K---calculate_area (`dependencies` of a tagged `oneOf`) failed on every backend."""
+    schema = {
+        "type": "object",
+        "properties": {"kind": {"enum": ["a", "b"]}, "x": {"type": "integer"}},
+        "dependentSchemas": {
+            "kind": {
+                "oneOf": [
+                    {"properties": {"kind": {"const": "a"}, "x": {"maximum": 3}}},
+                    {"properties": {"kind": {"const": "b"}, "x": {"minimum": 10}}},
+                ]
+            }
+        },
+    }
+    compiled = compile_grammar(GrammarSpec.json_schema(schema), tokenizer)
+    buffer = torch.zeros(1, bitmask_width(tokenizer.vocab_size), dtype=torch.int32)
+    validator = jsonschema.Draft202012Validator(schema)
+    for data in [
+        {"kind": "a", "x": 2},
+        {"kind": "a", "x": 12},
+        {"kind": "b", "x": 12},
+        {"kind": "b", "x": 5},
+        {"x": 50},
+    ]:
+        walked = walk_instance(compiled, tokenizer.encode(instance_text(data)), tokenizer.eos_token_id, buffer, [])
+        assert walked == validator.is_valid(data), data

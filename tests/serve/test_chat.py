@@ -251,3 +251,28 @@ def test_metrics_count_requests_and_tokens(client, http):
     )
     assert value(after.text, "tandem_step_seconds_count") > value(before, "tandem_step_seconds_count")
     assert "tandem_draft_tokens_total" in after.text and "tandem_mean_acceptance_length" in after.text
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_in_usage_and_metrics(client, http):
+    """The server's engine caches prefixes (block size 16): a second request with the same long prompt is served
+    its full blocks from the cache, says so in `usage.prompt_tokens_details.cached_tokens`, and /metrics counts it."""
+
+    def value(text: str, name: str) -> float:
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    question = "List three facts about the sea, the sky and the mountains. " * 6
+    messages = [{"role": "user", "content": question}]
+    before = http.get("/metrics").text
+    first = client.chat.completions.create(model="demo-llama", messages=messages, max_tokens=3, temperature=0)
+    second = client.chat.completions.create(model="demo-llama", messages=messages, max_tokens=3, temperature=0)
+    after = http.get("/metrics").text
+    prompt = second.usage.prompt_tokens
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens == prompt > 64
+    assert cached == prompt // 16 * 16 or cached == (prompt - 1) // 16 * 16  # its full blocks
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert (
+        value(after, "tandem_prefix_cache_hit_tokens_total") - value(before, "tandem_prefix_cache_hit_tokens_total")
+        >= cached
+    )
+    assert value(after, 'tandem_kv_blocks{state="total"}') > 0

@@ -43,9 +43,9 @@ class CompiledGrammar:
 
 
 def set_token_bit(row: torch.Tensor, token: int) -> None:
-    """Allow `token` in one bitmask row (int32 [W]); mutates `row`."""
-    bit = 1 << (token % 32)
-    row[token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # bit 31 is the int32 sign bit
+    """Allow `token` in one bitmask row (int32 [W], CPU); mutates `row`."""
+    # Through numpy: on a tensor element, `|=` is three dispatched torch ops. Bit 31 is the int32 sign bit.
+    row.numpy()[token >> 5] |= ((1 << (token & 31)) ^ 0x80000000) - 0x80000000
 
 
 class EosTerminatedMatcher:
@@ -53,7 +53,8 @@ class EosTerminatedMatcher:
 
     EOS is accepted iff the grammar may end here; it is recorded here and never fed to the native
     matcher. Subclasses implement `_advance` (False and no change if forbidden), `_rollback`,
-    `_fill` (native mask into an int32 [W] row) and `_can_end`.
+    `_fill` (native mask into an int32 [W] row; a backend whose native mask needs no EOS fix-up
+    overrides `fill_bitmask` instead) and `_can_end`.
     """
 
     def __init__(self, eos_token_id: int):

@@ -11,6 +11,7 @@ import llguidance.hf
 import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from tandem.core.bitmask import bitmask_width
 from tandem.grammars.backends.base import EosTerminatedMatcher
 from tandem.grammars.spec import GrammarSpec
 from tandem.grammars.tokenizer import GrammarTokenizer
@@ -51,12 +52,25 @@ def _grammar_text(spec: GrammarSpec) -> str:
 class LLGuidanceMatcher(EosTerminatedMatcher):
     """Matcher over `llguidance.LLMatcher` (see backends.base.Matcher for the contract).
 
-    llguidance stops by itself once nothing but EOS can follow; EOS is handled by the base class.
+    llguidance stops by itself once nothing but EOS can follow; accepting EOS is handled by the base
+    class. Its masks need no adjustment: they allow EOS exactly where the grammar may end, and EOS
+    alone once stopped, so `fill_bitmask` writes straight into the destination row.
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, eos_token_id: int):
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_id: int, row_bytes: int):
         super().__init__(eos_token_id)
         self._matcher = matcher
+        self._row_bytes = row_bytes  # 4 * ceil(V / 32): one bitmask row
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        # The mask is per-token hot (a fill is a few microseconds): no row view, no base-class calls.
+        if self._ended:
+            bitmask[index].zero_()
+            return
+        offset = index * self._row_bytes
+        if offset + self._row_bytes > bitmask.nbytes:  # a raw pointer write must stay inside the buffer
+            raise ValueError(f"bitmask of {bitmask.nbytes} bytes has no row {index} of {self._row_bytes} bytes")
+        self._matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + offset, self._row_bytes)
 
     def _advance(self, token: int) -> bool:
         # try_consume_tokens leaves the matcher untouched on a forbidden token (consume_token would
@@ -66,12 +80,6 @@ class LLGuidanceMatcher(EosTerminatedMatcher):
     def _rollback(self, num_tokens: int) -> None:
         if not self._matcher.rollback(num_tokens):
             raise RuntimeError(f"llguidance rollback of {num_tokens} failed: {self._matcher.get_error()}")
-
-    def _fill(self, row: torch.Tensor) -> None:
-        if self._matcher.is_stopped():
-            row.zero_()
-        else:
-            self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
 
     def _can_end(self) -> bool:
         return self._matcher.is_accepting()
@@ -83,5 +91,5 @@ def compile(spec: GrammarSpec, tokenizer: GrammarTokenizer):
     template = llguidance.LLMatcher(ll_tokenizer, _grammar_text(spec), log_level=0)
     if template.is_error():
         raise ValueError(template.get_error())
-    eos = tokenizer.eos_token_id
-    return lambda: LLGuidanceMatcher(template.deep_copy(), eos)
+    eos, row_bytes = tokenizer.eos_token_id, 4 * bitmask_width(tokenizer.vocab_size)
+    return lambda: LLGuidanceMatcher(template.deep_copy(), eos, row_bytes)

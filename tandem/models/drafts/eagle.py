@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.models.attention import RaggedLayout
-from tandem.models.base import DraftInput, DraftProposal, ForwardBatch, KVCache, Target
+from tandem.models.base import BlockTable, DraftInput, DraftProposal, ForwardBatch, KVCache, Target
 from tandem.models.config import EagleConfig
 from tandem.models.drafts.chained import check_pair, propose_chained
 from tandem.models.linear import Linear
@@ -46,16 +46,18 @@ class Eagle(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config, input_layernorm=False, **factory)])
         self.rotary = Rotary(config.rope, config.head_dim, dtype)
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """One layer ``[num_slots, max_len, 2, nkv, head_dim]``, first position 1."""
+    def new_cache(self, num_slots: int, max_len: int, *, table: BlockTable | None = None) -> KVCache:
+        """One pool ``[num_blocks, block_size, 2, nkv, head_dim]`` over ``table``, first position 1."""
         entry = kv_entry_shape(self.layers[0].self_attn)
         device = self.fc.weight.device
-        return KVCache.allocate(1, num_slots, max_len, entry, dtype=self.dtype, device=device, first_position=1)
+        return KVCache.allocate(
+            1, num_slots, max_len, entry, dtype=self.dtype, device=device, first_position=1, table=table
+        )
 
     def step(self, batch: ForwardBatch, features: Tensor, cache: KVCache) -> Tensor:
         """``features [T, H]`` (target hidden or the draft's own output) -> draft output ``[T, H]``."""
         cache.begin_forward(batch)
-        layout = RaggedLayout.build(batch, first_position=cache.first_position)
+        layout = RaggedLayout.build(batch, cache)
         return self.step_layout(layout, batch.input_ids, batch.positions, features, cache.layers)
 
     def step_layout(

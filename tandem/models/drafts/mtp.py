@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.models.attention import RaggedLayout
-from tandem.models.base import DraftInput, DraftProposal, ForwardBatch, KVCache, Target
+from tandem.models.base import BlockTable, DraftInput, DraftProposal, ForwardBatch, KVCache, Target
 from tandem.models.config import DeepseekV3Config
 from tandem.models.deepseek_v3 import DecoderLayer
 from tandem.models.drafts.chained import propose_chained
@@ -78,8 +78,8 @@ class MultiTokenPredictor(nn.Module):
         """Checkpoint key prefix of the MTP layer: ``model.layers.{num_hidden_layers}.``."""
         return f"model.layers.{self.layer_id}."
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """One latent cache ``[num_slots, max_len, kv_lora_rank + qk_rope_head_dim]``.
+    def new_cache(self, num_slots: int, max_len: int, *, table: BlockTable | None = None) -> KVCache:
+        """One latent pool ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` over ``table``.
 
         Entries start at position 1: position 0 has no previous hidden state to pair with.
         """
@@ -91,12 +91,13 @@ class MultiTokenPredictor(nn.Module):
             dtype=self.dtype,
             device=self.eh_proj.weight.device,
             first_position=1,
+            table=table,
         )
 
     def step(self, batch: ForwardBatch, hidden: Tensor, cache: KVCache) -> Tensor:
         """Run the MTP layer on pairs ``(hidden [T, H], batch.input_ids [T])``; returns ``g: [T, H]`` pre-norm."""
         cache.begin_forward(batch)
-        layout = RaggedLayout.build(batch, cache.first_position)
+        layout = RaggedLayout.build(batch, cache)
         return self.step_layout(layout, batch.input_ids, batch.positions, hidden, cache.layers)
 
     def step_layout(

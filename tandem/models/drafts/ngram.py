@@ -15,7 +15,7 @@ from torch import Tensor
 
 from tandem.core.transfer import to_device
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
-from tandem.models.base import DraftInput, DraftProposal, KVCache
+from tandem.models.base import BlockTable, DraftInput, DraftProposal, KVCache
 from tandem.models.config import NgramConfig
 
 
@@ -45,7 +45,7 @@ class NgramDraft:
             raise ValueError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
 
-    def new_cache(self, num_slots: int, max_len: int) -> None:
+    def new_cache(self, num_slots: int, max_len: int, *, table: BlockTable | None = None) -> None:
         return None
 
     def propose(self, inp: DraftInput, cache: KVCache | None, num_tokens: int) -> DraftProposal:

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from tandem.core.transfer import to_device
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
-from tandem.models.base import DraftInput, DraftProposal, KVCache
+from tandem.models.base import BlockTable, DraftInput, DraftProposal, KVCache
 from tandem.models.config import SuffixConfig
 
 
@@ -292,7 +292,7 @@ class SuffixDraft:
         self.slots: dict[int, SlotState] = {}
         self.last_confidence: list[float] = []
 
-    def new_cache(self, num_slots: int, max_len: int) -> None:
+    def new_cache(self, num_slots: int, max_len: int, *, table: BlockTable | None = None) -> None:
         self.slots.clear()  # a new engine: nothing indexed yet
         return None
 
