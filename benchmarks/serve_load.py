@@ -18,6 +18,7 @@ requests, errors (HTTP failures, unfinished or schema-invalid answers), p50/p99 
 first token, prompt and completion tokens, and completion tokens/s.
 
     python benchmarks/serve_load.py [--workload schema|agent] [--clients 32] [--requests 96] [--deadline-s 60]
+        [--no-prefix-caching]
 """
 
 from __future__ import annotations
@@ -209,16 +210,21 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--turns", type=int, default=TURNS, help="agent workload: requests per conversation")
     parser.add_argument("--deadline-s", type=float, default=60.0)
+    parser.add_argument(
+        "--no-prefix-caching", dest="prefix_caching", action="store_false", help="the server without prefix caching"
+    )
     args = parser.parse_args()
     if args.workload == "agent":
         jobs = agent_conversations(args.requests, args.turns)
     else:
         jobs = schema_requests(args.requests)
-    with ServerThread(build_app(MODEL, max_num_seqs=args.clients)) as server:
+    app = build_app(MODEL, max_num_seqs=args.clients, enable_prefix_caching=args.prefix_caching)
+    with ServerThread(app) as server:
         report = asyncio.run(_load(server.base_url, args.clients, jobs, args.deadline_s))
     planned = len(jobs) * args.turns if args.workload == "agent" else len(jobs)
     turns = {"turns": args.turns} if args.workload == "agent" else {}
-    print(json.dumps({"workload": args.workload, "planned": planned, **turns, **report}))
+    caching = {"prefix_caching": args.prefix_caching}
+    print(json.dumps({"workload": args.workload, "planned": planned, **turns, **caching, **report}))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ The machine's speed drifts over seconds, so the cases are interleaved finely: ea
 so on. A case's tokens/s is its fastest round (timeit's rule: slower rounds measure
 the machine's other load, not the code); a ratio is the median over rounds of the ratio within a
 round, where both sides saw the same stretch of machine, and `ratio_range` gives its spread. One
-JSON object on the last line of stdout.
+JSON object on the last line of stdout. Prefix caching is off: the rounds repeat the same prompts, whose
+prefill a cache would skip (`benchmarks/serve_load.py --workload agent` measures the cache).
 
 Progress (`--progress`): a bar on stderr with the model, the case and the round running, the time
 spent and an estimate of the time left (from the token budget done so far), for the warm-up and then
@@ -169,6 +170,7 @@ def _bench_model(model: str, args: argparse.Namespace, bar: tqdm) -> dict:
                         dtype=DTYPES.get(args.dtype),
                         graph_mode=mode,
                         revision=args.revision,
+                        enable_prefix_caching=False,  # rounds repeat the prompts: measure decoding, not the cache
                     )
                     engines[draft or "none", k, relaxed is not None, mode] = llm
                     for constrained in (False, True):

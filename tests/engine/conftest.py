@@ -1,11 +1,15 @@
-"""A tiny random Llama 3 over the shipped tokenizer, with every Llama draft, for engine tests."""
+"""Engine test models: a tiny random Llama 3 over the shipped tokenizer with every Llama draft, and the shipped demo
+models loaded once per module."""
 
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from tandem.assets import ASSETS_DIR
+from tandem.llm import resolve_draft, resolve_model
+from tandem.models.linear import narrow_exact_weights
 from tandem.models.loading import load_draft, load_target
 from tests.models.conftest import save_tiny_llama
 from tests.models.test_eagle import write_eagle
@@ -38,3 +42,25 @@ def llama_target(llama_dirs):
 def llama_drafts(llama_dirs, llama_target):
     """Each draft kind, loaded against the tiny target (EAGLE-3 overrides its aux layers)."""
     return {kind: load_draft(kind if kind == "ngram" else llama_dirs[kind], llama_target) for kind in LLAMA_DRAFTS}
+
+
+@pytest.fixture(scope="module")
+def models():
+    """``models(name, draft)`` -> (target, draft or None, tokenizer) of the shipped demo models, each loaded once
+    (float32, narrowed)."""
+    loaded = {}
+
+    def get(name: str, draft: str | None):
+        if name not in loaded:
+            path = resolve_model(name)
+            target = load_target(path, dtype=torch.float32)
+            narrow_exact_weights(target)
+            loaded[name] = (target, AutoTokenizer.from_pretrained(path))
+        if draft is not None and (name, draft) not in loaded:
+            loaded[name, draft] = load_draft(resolve_draft(draft, resolve_model(name)), loaded[name][0])
+            if isinstance(loaded[name, draft], torch.nn.Module):
+                narrow_exact_weights(loaded[name, draft])
+        target, tokenizer = loaded[name]
+        return target, None if draft is None else loaded[name, draft], tokenizer
+
+    return get

@@ -14,10 +14,9 @@ from tests.engine.test_paged_kv import (
     _generate,
     _params,
     _prompts,
-    models,
 )
 
-__all__ = ["_dynamo_only", "models"]  # the fixtures this module uses
+__all__ = ["_dynamo_only"]  # the fixture this module uses
 
 
 @pytest.mark.parametrize("name, draft", [("demo-llama", "eagle3"), ("demo-deepseek", "mtp")])

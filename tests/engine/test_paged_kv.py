@@ -7,15 +7,11 @@ prefills only its new tokens and outputs what it outputs without the prefix cach
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoTokenizer
 
 from tandem.decoding.params import SamplingParams
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
 from tandem.engine.engine import Engine, EngineConfig
-from tandem.llm import chat_prompt_ids, resolve_draft, resolve_model
-from tandem.models.linear import narrow_exact_weights
-from tandem.models.loading import load_draft, load_target
+from tandem.llm import chat_prompt_ids
 
 # Prompts of 323, 30, 48 and 62 tokens; the first and the last begin with the same chat template and tools, and
 # the last is admitted after the first whatever grammars are still compiling.
@@ -35,27 +31,6 @@ PAIRS = [
 @pytest.fixture(autouse=True)
 def _dynamo_only(monkeypatch):
     monkeypatch.setenv("TANDEM_COMPILE_BACKEND", "eager")
-
-
-@pytest.fixture(scope="module")
-def models():
-    """``models(name, draft)`` -> (target, draft or None, tokenizer), each loaded once (float32, narrowed)."""
-    loaded = {}
-
-    def get(name: str, draft: str | None):
-        if name not in loaded:
-            path = resolve_model(name)
-            target = load_target(path, dtype=torch.float32)
-            narrow_exact_weights(target)
-            loaded[name] = (target, AutoTokenizer.from_pretrained(path))
-        if draft is not None and (name, draft) not in loaded:
-            loaded[name, draft] = load_draft(resolve_draft(draft, resolve_model(name)), loaded[name][0])
-            if isinstance(loaded[name, draft], torch.nn.Module):
-                narrow_exact_weights(loaded[name, draft])
-        target, tokenizer = loaded[name]
-        return target, None if draft is None else loaded[name, draft], tokenizer
-
-    return get
 
 
 def _engine(models, name: str, draft: str | None, **config) -> Engine:
