@@ -207,13 +207,7 @@ def train_draft(kind: str, tokenizer: PreTrainedTokenizerBase, assets: Path, set
         settings.batch_size,
         settings.seed,
     )
-    trainer = Trainer(
-        head,
-        steps=settings.steps,
-        lr=settings.lr,
-        warmup_steps=settings.warmup_steps,
-        weight_decay=settings.weight_decay,
-    )
+    trainer = Trainer(head, settings)
 
     def loss_fn(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, list[float]]:
         where = scored_pairs(batch["labels"])

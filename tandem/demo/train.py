@@ -188,13 +188,7 @@ def train_model(
 ) -> list[float]:
     """`settings.steps` steps of :class:`tandem.training.trainer.Trainer` on the parameters that require
     grad; returns the loss of every step."""
-    trainer = Trainer(
-        model,
-        steps=settings.steps,
-        lr=settings.lr,
-        warmup_steps=settings.warmup_steps,
-        weight_decay=settings.weight_decay,
-    )
+    trainer = Trainer(model, settings)
     trainer.run(lambda _: next(batches), loss_fn, desc)
     return trainer.losses
 

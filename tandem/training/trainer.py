@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -40,15 +40,26 @@ DATA_FILE = "train_data.pt"  # the self-distilled rows and draft vocabulary, reu
 RECORD_FILE = "tandem_train.json"  # how the draft was trained (the summary, saved beside it)
 
 
+class OptimizerSettings(Protocol):
+    """What a :class:`Trainer` reads of a run's settings (the demo's and the draft trainer's have them)."""
+
+    steps: int
+    lr: float
+    warmup_steps: int
+    weight_decay: float
+
+
 class Trainer:
     """AdamW (betas 0.9, 0.95) with linear warmup and cosine decay over ``steps``, gradient norm clipped
     at 1, on the parameters of ``model`` that require grad."""
 
-    def __init__(self, model: nn.Module, *, steps: int, lr: float, warmup_steps: int, weight_decay: float):
-        self.model, self.steps = model, steps
+    def __init__(self, model: nn.Module, settings: OptimizerSettings):
+        self.model, self.steps = model, settings.steps
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
-        self.schedule = get_cosine_schedule_with_warmup(self.optimizer, warmup_steps, steps)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.95)
+        )
+        self.schedule = get_cosine_schedule_with_warmup(self.optimizer, settings.warmup_steps, settings.steps)
         self.step = 0
         self.resumed_from: int | None = None  # the step a resumed run started at
         self.losses: list[float] = []
@@ -210,13 +221,7 @@ def fit(
 
     target = load_target(target_dir, dtype=torch.float32 if device == "cpu" else None, device=device)
     head = new_head(settings, target_dir, target, vocab).to(device)
-    trainer = Trainer(
-        head,
-        steps=settings.steps,
-        lr=settings.lr,
-        warmup_steps=settings.warmup_steps,
-        weight_decay=settings.weight_decay,
-    )
+    trainer = Trainer(head, settings)
     if state is not None:
         trainer.load_state_dict(state)
         trainer.resumed_from = trainer.step
@@ -289,7 +294,7 @@ def train_draft(
         "num_parameters": sum(p.numel() for p in head.parameters()),
         **loss_summary(trainer.losses),
         "train_agreement_by_depth": mean_agreement(trainer.agreement[-summary_window(len(trainer.losses)) :]),
-        "train_s": round(train_s, 1),
+        "train_s": round(train_s, 3),
     }
     if heldout_chats:
         evaluate = dict(
@@ -307,7 +312,7 @@ def train_draft(
                 "draft": str(baseline_draft),
                 "accepted_length": accepted_length(target_dir, baseline_draft, **evaluate),
             }
-    record["wall_time_s"] = round(time.perf_counter() - started, 1)
+    record["wall_time_s"] = round(time.perf_counter() - started, 3)
     (out_dir / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return record
 
