@@ -37,6 +37,8 @@ class LLM:
     kv_cache_memory: bytes of paged KV cache, target and draft entries together (None: what max_num_seqs rows
         of max_model_len take); block_size: positions per KV block; enable_prefix_caching: a prompt reuses
         the cached blocks of its longest prefix seen before (`Engine.kv_stats` counts the hits).
+    max_num_batched_tokens: the tokens one step feeds; a longer prefill goes in chunks between the running
+        rows' steps (None: whole prompts in one step).
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class LLM:
         kv_cache_memory: int | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int | None = 2048,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -92,6 +95,7 @@ class LLM:
                 kv_cache_memory=kv_cache_memory,
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,
+                max_num_batched_tokens=max_num_batched_tokens,
                 eos_token_ids=generation_eos_ids(self.model_path),
             ),
         )

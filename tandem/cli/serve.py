@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not reuse cached KV blocks of earlier requests' common prefixes",
     )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults.max_num_batched_tokens,
+        help="tokens one step verifies and prefills at most; a longer prompt prefills in chunks between the "
+        "other rows' steps (0: no chunking)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -88,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens or None,
         suffix_store_tokens=args.suffix_store_tokens,
         served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -38,17 +38,20 @@ def forced_draft_probs(probs: torch.Tensor | None, drafts: list[int], forced: li
     return out
 
 
-def verify_batch(rows: list[Request], k: int, held: list[int], device: torch.device) -> ForwardBatch:
+def verify_batch(
+    rows: list[Request], k: int, held: list[int], device: torch.device, ends: list[int | None] | None = None
+) -> ForwardBatch:
     """The ragged verify batch; its logits indices keep ``k + 1`` rows per request (``[B * (k+1)]``).
 
     Row ``b`` feeds its tokens from position ``held[b]`` (what its target cache holds) and its drafts: a
     running row ``[t_last, *drafts]`` from ``len(tokens) - 1``; a new row its whole prompt, or what follows a
-    reused prefix; a preempted row its prompt and generated tokens again. A row with fewer than k drafts
-    repeats its last verify position's index to fill its k + 1.
+    reused prefix; a preempted row its prompt and generated tokens again; a row prefilled in chunks only its
+    tokens up to ``ends[b]`` (None: all). A row with fewer than k drafts repeats its last verify position's
+    index to fill its k + 1.
     """
     ids, lengths, logit_index = [], [], []
-    for r, start in zip(rows, held):
-        feed = [*r.tokens[start:], *r.drafts]
+    for r, start, end in zip(rows, held, ends or [None] * len(rows)):
+        feed = [*r.tokens[start:end], *r.drafts]
         first_logit = len(ids) + len(feed) - 1 - len(r.drafts)  # the position of t_last
         logit_index.extend(first_logit + min(j, len(r.drafts)) for j in range(k + 1))
         ids.extend(feed)
@@ -66,7 +69,8 @@ def draft_batch(
 ) -> tuple[ForwardBatch, torch.Tensor | None, list[torch.Tensor]]:
     """What the draft reads after a commit, for the `live` rows among the verified `rows`:
 
-    - the batch of each row's newly committed tokens, from the position after the verify's first;
+    - the batch of each row's newly committed tokens, from the position after the verify's first (a prefill
+      chunk's: those after each of its positions);
     - the target's hidden states (``hidden_all``, the verify's, or None) at the position before each
       of those tokens;
     - each row's whole history of tokens (on the host: n-gram lookup).
@@ -77,7 +81,7 @@ def draft_batch(
     for r in live:
         b = index[id(r)]
         start = verify.spans.starts[b] + 1
-        new_tokens = r.tokens[start:]  # paired with the hidden state before each
+        new_tokens = r.tokens[start : start + verify.spans.lengths[b]]  # paired with the hidden state before each
         ids.extend(new_tokens)
         starts.append(start)
         lengths.append(len(new_tokens))

@@ -2,9 +2,10 @@
 
 One `step()` runs, for every running row (docs/DESIGN.md, "The speculative step"):
 
-1. merge   per row, the tokens to verify: a new row feeds its whole prompt (no drafts); a
-           running row feeds [t_last, d_0 .. d_{k_b-1}] at positions L-1 .. L-1+k_b
-           (`batching.verify_batch`)
+1. merge   per row, the tokens to verify: a new row feeds its whole prompt (no drafts), or its next
+           chunk when the step's token budget cannot hold the rest (chunked prefill: nothing is sampled
+           for it; the draft fills its cache over the chunk); a running row feeds
+           [t_last, d_0 .. d_{k_b-1}] at positions L-1 .. L-1+k_b (`batching.verify_batch`)
 2. verify  one ragged target forward; logits at each row's k_b+1 verify positions
 3. masks   per-position grammar bitmasks and thinking phases for the draft window: the ones the
            draft's grammar walk built for these very drafts (step 6 of the previous step), else
@@ -23,7 +24,8 @@ One `step()` runs, for every running row (docs/DESIGN.md, "The speculative step"
 Before the step, `Scheduler.schedule` grows every running row's KV blocks to what the step writes
 (preempting the latest admitted rows when the pool runs out) and admits waiting requests whose grammar
 has compiled while their blocks fit (`kv_blocks`: a paged cache, one pool of blocks for the target's
-and the draft's entries, with automatic prefix caching). After propose, each live row registers its
+and the draft's entries, with automatic prefix caching), then hands the rows still prefilling their chunks
+of the step's token budget (`EngineConfig.max_num_batched_tokens`). After propose, each live row registers its
 full committed blocks for reuse and gives back the blocks past its committed tokens.
 
 Adaptive speculation (`EngineConfig.adaptive`, on by default): before each propose, `adaptive.AdaptivePolicy`
@@ -39,7 +41,7 @@ the padded columns, nothing when there are none), for every row, grammar or not.
 Cache invariant: a row's target KV cache holds positions 0 .. len(tokens) - 2; its last
 committed token is always fed again as t_last by the next step. A new row's cache holds its reused
 prefix but its last position, which the prefill runs again (its hidden state is not cached); a
-preempted row's holds nothing until it is prefilled again.
+preempted row's holds nothing until it is prefilled again; a row prefilled in chunks holds the chunks fed so far.
 
 Threads: on the CPU a step of at most `SMALL_STEP_TOKENS` tokens (decode, verify, drafting) runs
 with `EngineConfig.small_step_threads` torch threads, one by default; longer steps (prefills) keep
@@ -111,6 +113,13 @@ class EngineConfig:
     graph_mode: str = "auto"  # eager | compiled | auto (engine/graphs.py)
     capture_sizes: tuple[int, ...] | None = None  # batch buckets graphs are built for (None: 1, 2, 4, .. max_num_seqs)
     eos_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS: generation_config.json's (engine/stop.py)
+    max_num_batched_tokens: int | None = 2048  # tokens one step feeds; longer prefills go in chunks (None: whole)
+
+    def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens"):
+            value, least = getattr(self, name), 0 if name == "num_speculative_tokens" else 1
+            if value is not None and value < least:
+                raise ValueError(f"EngineConfig.{name} = {value} must be at least {least}")
 
 
 class Engine:
@@ -166,7 +175,13 @@ class Engine:
                 target, self.target_cache, draft, self.draft_cache, widths=widths, capture_sizes=capture_sizes
             )
         self.scheduler = Scheduler(
-            config.max_num_seqs, self.masker, self.target_cache, self._markers, self.blocks, self._reserve
+            config.max_num_seqs,
+            self.masker,
+            self.target_cache,
+            self._markers,
+            self.blocks,
+            self._reserve,
+            config.max_num_batched_tokens,
         )
         self._ids = itertools.count()
         # A model whose embedding rows are padded past the tokenizer: ids >= vocab_limit are never emitted
@@ -234,17 +249,17 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StreamDelta]:
         """One unified step over all running rows; returns what each touched request gained."""
-        self.scheduler.schedule()
-        rows = list(self.scheduler.running)
+        rows = self.scheduler.schedule()
         if not rows:
             if self.scheduler.waiting:  # only grammars still compiling: yield the CPU to their workers
                 time.sleep(0.001)
             return []
         k = self._step_k(rows)
-        batch = verify_batch(rows, k, [self.target_cache.lengths[r.slot] for r in rows], self.device)
+        ends = [self.scheduler.chunk_ends.get(r.request_id) for r in rows]
+        batch = verify_batch(rows, k, [self.target_cache.lengths[r.slot] for r in rows], self.device, ends)
         self._step_started = time.perf_counter()
         with torch_threads(self._threads_for(batch)):
-            return self._run_step(rows, batch, k)
+            return self._run_step(rows, batch, k, [b for b, end in enumerate(ends) if end is not None])
 
     def _adaptive(self) -> bool:
         return self.policy is not None and self.config.adaptive
@@ -347,36 +362,58 @@ class Engine:
             return self.config.small_step_threads
         return None
 
-    def _run_step(self, rows: list[Request], batch: ForwardBatch, k: int) -> list[StreamDelta]:
-        """Steps 2-6 of the module docstring over `rows`, merged into `batch` with k positions per row."""
+    def _run_step(self, rows: list[Request], batch: ForwardBatch, k: int, chunked: list[int]) -> list[StreamDelta]:
+        """Steps 2-6 of the module docstring over `rows`, merged into `batch` with k positions per row. The rows
+        at `chunked` prefill a chunk of their tokens: the forward writes their caches, and nothing else happens
+        to them but the draft's pass over the chunk (`_fill_draft`)."""
         # A prefill's time says nothing of a verify's.
         prefill = any(start < len(r.tokens) - 1 for r, start in zip(rows, batch.spans.starts))
-        all_drafts = padded_drafts(rows, self.k)  # [B, >= k] host: the masks cover k whatever this step verifies
-        pending_masks = self.step_masks.submit(rows, all_drafts)
+        verified = [b for b in range(len(rows)) if b not in chunked]
+        full = [rows[b] for b in verified]
         want_hidden = self.draft is not None and self.draft.hidden_kind is not None
+        deltas, pending_masks = [], None
+        if full:
+            all_drafts = padded_drafts(full, self.k)  # [B, >= k] host: the masks cover k whatever this step verifies
+            pending_masks = self.step_masks.submit(full, all_drafts)
         out = self._forward(
             batch,
             return_hidden=want_hidden and self.draft.hidden_kind == "last",
             return_aux=want_hidden and self.draft.hidden_kind == "aux",
         )
-        logits = self._mask_padding(out.logits.view(len(rows), k + 1, -1))
-        drafts = to_device(all_drafts[:, :k], logits.device)
-        scores = sampling.adjusted(rows, logits, drafts)
-        bitmask, in_thinking = self.step_masks.wait(pending_masks)
-        if k < self.k:  # masks are built for k drafts; this step verifies fewer
-            bitmask = None if bitmask is None else bitmask[:, : k + 1]
-            in_thinking = None if in_thinking is None else in_thinking[:, : k + 1]
-        result = self._accept(rows, scores, drafts, bitmask, in_thinking)
-        deltas = self._commit(rows, result, logits)
+        if full:
+            logits = out.logits.view(len(rows), k + 1, -1)
+            if chunked:
+                logits = logits[int64_tensor(verified, logits.device)]
+            logits = self._mask_padding(logits)
+            drafts = to_device(all_drafts[:, :k], logits.device)
+            scores = sampling.adjusted(full, logits, drafts)
+            bitmask, in_thinking = self.step_masks.wait(pending_masks)
+            if k < self.k:  # masks are built for k drafts; this step verifies fewer
+                bitmask = None if bitmask is None else bitmask[:, : k + 1]
+                in_thinking = None if in_thinking is None else in_thinking[:, : k + 1]
+            result = self._accept(full, scores, drafts, bitmask, in_thinking)
+            deltas = self._commit(full, result, logits)
         if self.policy is not None and not prefill:
             self.policy.cost.observe(batch.num_tokens, time.perf_counter() - self._step_started)
         if self.draft is not None:
-            self._propose([r for r in rows if r.output.finish_reason is None], rows, out, batch)
+            self._propose([r for r in full if r.output.finish_reason is None], rows, out, batch)
+        if chunked and self.draft_cache is not None:
+            self._fill_draft([rows[b] for b in chunked], rows, out, batch)
         for r in rows:
             if r.slot >= 0:  # live: both caches hold its committed entries (finished rows gave their blocks back)
-                self.blocks.register(r.slot, r.tokens, len(r.tokens) - 1)
+                # A chunk's end, else len(r.tokens) - 1; a chunked row keeps the blocks of the prompt to come.
+                self.blocks.register(r.slot, r.tokens, self.target_cache.lengths[r.slot])
                 self.blocks.trim(r.slot, len(r.tokens))
         return deltas
+
+    def _fill_draft(self, chunked: list[Request], rows: list[Request], out, batch: ForwardBatch) -> None:
+        """The draft's cache over the `chunked` rows' chunks: each chunk token's successor paired with the target's
+        hidden state at it, as a proposal's first pass writes them (eagerly, its one token unread), so the draft
+        cache is whole when the last chunk's step proposes."""
+        hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
+        draft_ids, hidden, histories = draft_batch(chunked, rows, batch, hidden_all, self.device)
+        self.draft_cache.truncate(draft_ids.spans.slots, draft_ids.spans.starts)
+        self.draft.propose(DraftInput(draft_ids, hidden, histories), self.draft_cache, 1)
 
     def _accept(
         self,

@@ -14,6 +14,12 @@ and it waits at the front of the queue, to be prefilled again over its prompt an
 generated (so greedy output is unchanged) and go on where it stopped; its masker row stays.
 Finishing (a stop rule, an abort) frees the slot, the blocks and the masker row; the output waits
 for `pop_finished`.
+
+Chunked prefill (``budget``: the tokens one step may feed, None: unbounded): rows that decode or verify
+always run; the rows still prefilling share what the budget leaves (at least a block's worth, so a
+prefill always progresses), in admission order. A row whose rest does not fit is fed a chunk this step
+(:attr:`Scheduler.chunk_ends`) and one that gets nothing sits the step out; its blocks hold its whole prompt
+from admission on, as an unchunked row's do, so a prefill under way is never short of blocks.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class Scheduler:
 
     `reserve(request)` is the number of positions the request's next step writes (its verify and its
     next proposal); `cache` is the target's, whose lengths say where each row's next forward starts.
+    `chunk_ends` maps each of the step's rows that prefills only part of its tokens to the position its
+    chunk ends at (exclusive; the row's other tokens follow in later steps).
     """
 
     def __init__(
@@ -45,8 +53,11 @@ class Scheduler:
         markers: ThinkingMarkers | None,
         pool: BlockPool,
         reserve: Callable[[Request], int],
+        budget: int | None = None,
     ) -> None:
         self.masker, self.cache, self.markers, self.pool, self.reserve = masker, cache, markers, pool, reserve
+        self.budget = budget
+        self.chunk_ends: dict[str, int] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._free_slots = list(range(num_slots))
@@ -60,13 +71,29 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> None:
+    def schedule(self) -> list[Request]:
         """Grow every running row to its step's writes, preempting the latest admitted rows when the pool runs
-        out, then admit what fits."""
+        out, admit what fits, then hand the rows still prefilling their chunks of the budget; returns the step's
+        rows (in admission order)."""
         for request in list(self.running):
             while request.slot >= 0 and not self.pool.grow(request.slot, self.reserve(request)):
                 self._preempt(self.running[-1])
         self.admit()
+        prefilling = [r for r in self.running if self.cache.lengths[r.slot] < len(r.tokens) - 1]
+        if self.budget is None or not prefilling:
+            self.chunk_ends = {}
+            return list(self.running)
+        decode = sum(1 + len(r.drafts) for r in self.running if self.cache.lengths[r.slot] == len(r.tokens) - 1)
+        left = max(self.budget - decode, self.pool.block_size)
+        self.chunk_ends, idle = {}, set()
+        for request in prefilling:
+            held = self.cache.lengths[request.slot]
+            if left == 0:
+                idle.add(request.request_id)
+            elif len(request.tokens) - held > left:
+                self.chunk_ends[request.request_id] = held + left
+            left -= min(left, len(request.tokens) - held)
+        return [r for r in self.running if r.request_id not in idle]
 
     def admit(self) -> None:
         """Move waiting requests whose grammar is ready into free slots, in arrival order, while their blocks fit."""

@@ -42,6 +42,7 @@ def build_app(
         kv_cache_memory=config.kv_cache_memory,
         block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching,
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
     if isinstance(llm.draft, SuffixDraft) and config.suffix_store_tokens > 0:
         llm.draft.store = SuffixStore(config.suffix_store_tokens, max_depth=llm.draft.max_depth)

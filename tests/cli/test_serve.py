@@ -91,6 +91,11 @@ def test_serve_passes_its_options_to_the_app(monkeypatch):
     assert calls[1] == (DEFAULT_MODEL, None, ServeConfig(api_key="k", max_new_tokens=64, queue_timeout_s=2.5))
     limits = ServeConfig(revision="v1", api_key="from-env", max_queued_requests=3, max_schema_depth=9)
     assert calls[2] == ("org/name", "auto", limits)
+    main(["serve", "--kv-cache-memory", "1000000", "--block-size", "8", "--no-prefix-caching"])
+    main(["serve", "--max-num-batched-tokens", "0"])
+    kv = ServeConfig(api_key="from-env", kv_cache_memory=1000000, block_size=8, enable_prefix_caching=False)
+    assert calls[3] == (DEFAULT_MODEL, "auto", kv)
+    assert calls[4] == (DEFAULT_MODEL, "auto", ServeConfig(api_key="from-env", max_num_batched_tokens=None))
 
 
 def test_serve_without_the_server_extra_names_the_extra_to_install():

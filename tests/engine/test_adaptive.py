@@ -115,7 +115,7 @@ def test_drafts_that_never_match_fall_to_plain_steps(llama_target, tokenizer, mo
     monkeypatch.setattr(
         engine_module.Engine,
         "_run_step",
-        lambda self, rows, batch, k: step_ks.append(k) or run_step(self, rows, batch, k),
+        lambda self, rows, batch, k, chunked: step_ks.append(k) or run_step(self, rows, batch, k, chunked),
     )
     engine = Engine(llama_target, WrongDraft(wrong), tokenizer, config)
     assert engine.policy is not None and engine.calibration_s < 5.0
