@@ -454,7 +454,7 @@ class Engine:
             if self.policy is not None:  # the chosen drafts: a forced run after them is accepted surely once reached
                 chosen = len(r.drafts) - r.forced_run
                 self.policy.observe(r.request_id, chosen, min(num_accepted, chosen))
-            r.drafts, r.draft_probs, r.walked_masks, r.draft_forced, r.forced_run = [], None, None, [], 0
+            r.clear_drafts()
             self.target_cache.truncate([r.slot], [len(r.tokens) - 1])
             reason = finish_reason(
                 r,

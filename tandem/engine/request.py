@@ -42,6 +42,10 @@ class Request:
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.prompt)
 
+    def clear_drafts(self) -> None:
+        """Forget the pending drafts and what came with them (verified, or dropped by a preemption)."""
+        self.drafts, self.draft_probs, self.walked_masks, self.draft_forced, self.forced_run = [], None, None, [], 0
+
 
 def validate(prompt: list[int], params: SamplingParams, *, max_model_len: int, k: int, vocab_size: int) -> None:
     """Raise PromptTooLongError if the prompt leaves no room for one step (its k + 1 tokens are reserved

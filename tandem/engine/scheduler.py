@@ -150,8 +150,7 @@ class Scheduler:
         self.pool.release(request.slot)
         self._free_slots.append(request.slot)
         request.slot = -1
-        request.drafts, request.draft_probs, request.walked_masks, request.draft_forced = [], None, None, []
-        request.forced_run = 0
+        request.clear_drafts()
         self.running.remove(request)
         self.waiting.insert(0, request)
         self._preempted.add(request.request_id)
