@@ -14,6 +14,7 @@ from tandem.demo.train import SETTINGS_FILE, encode_chat, target_config
 from tandem.models.base import ForwardBatch
 from tandem.models.loading import load_draft, load_target
 from tandem.training.ttt import DEPTHS
+from tests.training.reference import chained_log_probs
 
 TARGET_KIND = {
     "eagle3": ("llama", LlamaForCausalLM),
@@ -53,19 +54,14 @@ def test_ttt_depth_d_equals_the_loaded_draft_chained_d_steps(saved_pair):
         ForwardBatch.from_rows([ids], [0], [0]), target.new_cache(1, 64), return_hidden=True, return_aux=True
     )
     first = draft.fc(out.aux_hidden) if kind == "eagle3" else out.hidden  # depth-0 hidden at each position
-
-    def log_probs(g):
-        return draft.logits(g).float().log_softmax(-1)[0]
-
     for depth in range(DEPTHS):
         for pair in (depth, depth + 9, len(ids) - 2):  # pair i: hidden at position i, token at i + 1
-            committed = pair - depth + 1  # pairs 0..committed-1 sit at positions 1..committed
-            cache = draft.new_cache(1, 64)
-            g = draft.step(ForwardBatch.from_rows([ids[1 : committed + 1]], [1], [0]), first[:committed], cache)[-1:]
-            for position in range(committed + 1, committed + depth + 1):  # the chained steps, true tokens
-                g = draft.step(ForwardBatch.from_rows([[ids[position]]], [position], [0]), g, cache)
             torch.testing.assert_close(
-                log_probs(g), ttt[depth][0, pair], atol=2e-4, rtol=1e-4, msg=f"{kind} depth {depth} pair {pair}"
+                chained_log_probs(draft, ids, first, depth, pair),
+                ttt[depth][0, pair],
+                atol=2e-4,
+                rtol=1e-4,
+                msg=f"{kind} depth {depth} pair {pair}",
             )
 
 

@@ -15,6 +15,7 @@ from tandem.training.data import IGNORE_INDEX, pad_batch
 from tandem.training.trainer import DraftSettings, new_head
 from tandem.training.ttt import DEPTHS, provider_pass, scored_pairs, ttt_log_probs, ttt_loss, ttt_visibility
 from tandem.training.vocab import DraftVocab, frequent_tokens
+from tests.training.reference import chained_log_probs
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +72,7 @@ def test_ttt_depth_d_equals_the_loaded_draft_chained_d_steps(tiny_target, ids, k
     first = draft.fc(full.aux_hidden) if kind == "eagle3" else full.hidden  # depth-0 hidden at each position
     for depth in range(DEPTHS):
         for pair in (depth, depth + 9, len(ids) - 2):  # pair i: hidden at position i, token at i + 1
-            committed = pair - depth + 1  # pairs 0..committed-1 sit at positions 1..committed
-            cache = draft.new_cache(1, 64)
-            g = draft.step(ForwardBatch.from_rows([ids[1 : committed + 1]], [1], [0]), first[:committed], cache)[-1:]
-            for position in range(committed + 1, committed + depth + 1):  # the chained steps, true tokens
-                g = draft.step(ForwardBatch.from_rows([[ids[position]]], [position], [0]), g, cache)
-            expected = draft.logits(g).float().log_softmax(-1)[0]
+            expected = chained_log_probs(draft, ids, first, depth, pair)
             torch.testing.assert_close(expected, ttt[depth][0, pair], atol=2e-4, rtol=1e-4, msg=f"{depth} {pair}")
 
 
