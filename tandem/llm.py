@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -12,7 +15,10 @@ from tandem.assets import ASSETS_DIR, DEFAULT_MODEL
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
 from tandem.engine import Engine, EngineConfig
 from tandem.engine.output import RequestOutput, StreamDelta
+from tandem.engine.replicas import ReplicatedEngine
+from tandem.engine.workers import ParallelConfig, Workers
 from tandem.models import hub
+from tandem.models.parallel import SINGLE
 
 Prompt = str | Sequence[int]
 
@@ -39,6 +45,13 @@ class LLM:
         the cached blocks of its longest prefix seen before (`Engine.kv_stats` counts the hits).
     max_num_batched_tokens: the tokens one step feeds; a longer prefill goes in chunks between the running
         rows' steps (None: whole prompts in one step).
+    tensor_parallel_size, data_parallel_size, enable_expert_parallel: the target over several processes
+        (:class:`tandem.engine.workers.ParallelConfig`): Llama 3 tensor-parallel, DeepSeek-V3 with data-parallel
+        attention and, with enable_expert_parallel, whole experts per rank. This process drives the engine and
+        holds rank 0; tandem starts the other ranks itself (one per GPU, gloo on the CPU) and stops them at
+        :meth:`close` (or at exit). For a Llama model data_parallel_size means engine replicas
+        (:class:`tandem.engine.replicas.ReplicatedEngine`): this engine and data_parallel_size - 1 processes with
+        their own, requests balanced across them.
     """
 
     def __init__(
@@ -60,22 +73,41 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int | None = 2048,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
     ) -> None:
+        arguments = {name: value for name, value in locals().items() if name != "self"}  # a replica's, below
         from transformers import AutoTokenizer
 
         from tandem.models.linear import narrow_exact_weights
-        from tandem.models.loading import generation_eos_ids, load_draft, load_target
+        from tandem.models.loading import generation_eos_ids, load_draft, load_target, read_config
 
         self.model_path = resolve_model(model, revision)
         device = resolve_device(device)
         if dtype is None and torch.device(device).type == "cpu":
             dtype = torch.float32  # CPUs without native bf16 matmuls run a bf16 checkpoint faster in fp32
+        narrow = torch.device(device).type == "cpu" and dtype == torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.target = load_target(self.model_path, dtype=dtype, device=device)
+        config = read_config(self.model_path)
+        replicas = 1  # Llama's data parallelism: engine replicas, this one and data_parallel_size - 1 processes
+        if config.get("model_type") == "llama" and data_parallel_size > 1:
+            replicas, data_parallel_size = data_parallel_size, 1
+            check_replicas(replicas, tensor_parallel_size, torch.device(device))
+            device = "cuda:0" if torch.device(device).type == "cuda" else device
+        parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+        parallel.check(config, torch.device(device), graph_mode)
+        self.workers: Workers | None = None
+        shard = SINGLE
+        if parallel.world_size > 1:
+            self.workers = Workers.start(parallel, config, device, self.model_path, dtype, narrow)
+            weakref.finalize(self, self.workers.close)
+            shard = self.workers.shard
+        self.target = load_target(self.model_path, dtype=dtype, device=device, shard=shard)
         self.draft = None
         if draft is not None:
             self.draft = load_draft(resolve_draft(draft, self.model_path), self.target, dtype=dtype, device=device)
-        if torch.device(device).type == "cpu" and dtype == torch.float32:
+        if narrow:
             for model in (self.target, self.draft):
                 if isinstance(model, torch.nn.Module):
                     narrow_exact_weights(model)
@@ -98,7 +130,29 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 eos_token_ids=generation_eos_ids(self.model_path),
             ),
+            self.workers,
         )
+        if replicas > 1:
+            cuda = torch.device(device).type == "cuda"
+            builds = [
+                functools.partial(
+                    LLM,
+                    **arguments
+                    | {"model": str(self.model_path), "revision": None, "data_parallel_size": 1}
+                    | {"device": f"cuda:{i}" if cuda else device},
+                )
+                for i in range(1, replicas)
+            ]
+            self.engine = ReplicatedEngine(self.engine, builds)
+            weakref.finalize(self, self.engine.close)
+
+    def close(self) -> None:
+        """Stop the worker processes of a parallel target and the other engine replicas (nothing to do on one
+        device). Idempotent."""
+        if self.workers is not None:
+            self.workers.close()
+        if isinstance(self.engine, ReplicatedEngine):
+            self.engine.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids), batched continuously; outputs in prompt order."""
@@ -156,6 +210,19 @@ def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = 
     encoded without adding special tokens (the template has them)."""
     prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def check_replicas(replicas: int, tensor_parallel_size: int, device: torch.device) -> None:
+    """Raise ValueError for engine replicas (Llama's ``data_parallel_size``) this machine cannot run."""
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"data_parallel_size {replicas} with tensor_parallel_size {tensor_parallel_size} for a Llama model "
+            "(tensor-parallel engine replicas) is not built yet: use one of the two"
+        )
+    available = torch.cuda.device_count() if device.type == "cuda" else os.cpu_count() or 1
+    if replicas > available:
+        what = "GPUs" if device.type == "cuda" else "CPU cores"
+        raise ValueError(f"data_parallel_size {replicas} engine replicas but this machine has {available} {what}")
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
@@ -33,6 +34,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def follows_rank_zero(args: argparse.Namespace) -> bool:
+    """Under ``torchrun``, a rank other than 0 of a command that loads a parallel model follows rank 0's engine
+    (which runs the command: prints, serves HTTP) until it ends; returns whether this process was such a rank."""
+    if "tensor_parallel_size" not in args or os.environ.get("RANK", "0") == "0":
+        return False
+    from tandem.engine.workers import ParallelConfig, follow_launcher
+    from tandem.llm import resolve_device
+
+    parallel = ParallelConfig(args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel)
+    follow_launcher(parallel, resolve_device(getattr(args, "device", "auto")))
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -43,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(sub)
     args = sub.parse_args(argv[1:])
     try:
+        if follows_rank_zero(args):  # torchrun's other ranks run rank 0's forwards, not the command
+            return 0
         return int(module.run(args) or 0)
     except (ValueError, FileNotFoundError) as error:  # bad input (tandem's own errors are ValueErrors): say
         sub.exit(2, f"{sub.prog}: error: {error}\n")  # what and where, as argparse does, without a traceback

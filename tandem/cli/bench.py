@@ -50,7 +50,7 @@ import jsonschema
 import torch
 from tqdm import tqdm
 
-from tandem.cli.options import add_graph_mode_argument
+from tandem.cli.options import add_graph_mode_argument, add_parallel_arguments, parallel_settings
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
 from tandem.models.loading import DTYPES
 
@@ -91,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every measurement")
     add_graph_mode_argument(parser, several=True)
+    add_parallel_arguments(parser)
     parser.add_argument("--json", action="store_true", help="only the JSON line")
     parser.add_argument(
         "--progress",
@@ -171,6 +172,7 @@ def _bench_model(model: str, args: argparse.Namespace, bar: tqdm) -> dict:
                         graph_mode=mode,
                         revision=args.revision,
                         enable_prefix_caching=False,  # rounds repeat the prompts: measure decoding, not the cache
+                        **parallel_settings(args),
                     )
                     engines[draft or "none", k, relaxed is not None, mode] = llm
                     for constrained in (False, True):

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from tandem.cli.options import add_model_arguments
+from tandem.cli.options import add_model_arguments, parallel_settings
 from tandem.decoding.params import SamplingParams
 
 
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         graph_mode=args.graph_mode,
         revision=args.revision,
+        **parallel_settings(args),
     )
     params = SamplingParams(
         temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens, json_schema=schema

@@ -9,8 +9,8 @@ from tandem.engine.graphs import GRAPH_MODES
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--model`, `--revision`, `--draft`, `-k` and `--graph-mode`: the target (and its hub revision), its
-    draft, the drafts per step and how steps run."""
+    """`--model`, `--revision`, `--draft`, `-k`, `--graph-mode` and the parallel layout: the target (and its hub
+    revision), its draft, the drafts per step, how steps run and over how many processes."""
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -26,6 +26,30 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     add_graph_mode_argument(parser)
+    add_parallel_arguments(parser)
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--tensor-parallel-size`, `--data-parallel-size`, `--enable-expert-parallel` (`tandem.LLM`'s)."""
+    group = parser.add_argument_group("parallelism (one process per rank; tandem starts them, or torchrun does)")
+    group.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="Llama: ranks splitting heads, MLP columns and vocabulary"
+    )
+    group.add_argument(
+        "--data-parallel-size", type=int, default=1, help="DeepSeek-V3: ranks running attention over their own rows"
+    )
+    group.add_argument(
+        "--enable-expert-parallel", action="store_true", help="DeepSeek-V3: whole routed experts per rank"
+    )
+
+
+def parallel_settings(args: argparse.Namespace) -> dict:
+    """The parallel layout of the command line, as `tandem.LLM` keyword arguments."""
+    return {
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
+    }
 
 
 def add_graph_mode_argument(parser: argparse.ArgumentParser, several: bool = False) -> None:

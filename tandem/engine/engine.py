@@ -85,6 +85,7 @@ from tandem.engine.output import RequestOutput, StreamDelta, TextAssembler, stre
 from tandem.engine.request import Request, grammar_spec, thinking_markers, thinking_tracker, validate
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.stop import draft_budget, eos_ids, finish_reason, kept_tokens
+from tandem.engine.workers import CacheLayout, Workers
 from tandem.grammars.closing import Closer
 from tandem.grammars.compiler import CompileJob, GrammarCompiler
 from tandem.grammars.masks import MaskWalk, SpeculativeMasker
@@ -128,8 +129,9 @@ class Engine:
     `draft=None` is the plain path: the same step with k = 0.
     """
 
-    def __init__(self, target, draft, tokenizer, config: EngineConfig) -> None:
+    def __init__(self, target, draft, tokenizer, config: EngineConfig, workers: Workers | None = None) -> None:
         self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
+        self.workers = workers  # the other ranks of a parallel target (engine/workers.py), None on one device
         self.k = config.num_speculative_tokens if draft is not None else 0
         self.forced_drafts = config.forced_drafts and draft is not None
         self.max_drafts = self.k + (config.max_forced_drafts if self.forced_drafts else 0)  # the widest verify - 1
@@ -159,6 +161,9 @@ class Engine:
         )
         # Graph mode pads batches with rows that read and write a scratch slot past the rows' (engine/graphs.py).
         self.graph_mode = resolve_graph_mode(config.graph_mode, self.device)
+        data_parallel_attention = workers is not None and workers.shard.data_parallel_attention
+        if data_parallel_attention:  # "auto"; ParallelConfig.check refuses "compiled" (a rank's rows change)
+            self.graph_mode = "eager"
         capture_sizes = resolve_capture_sizes(config.capture_sizes, config.max_num_seqs)
         num_slots = config.max_num_seqs + (GraphRunner.SCRATCH_SLOTS if self.graph_mode == "compiled" else 0)
         # One-position caches of each model say what a position takes and whether the draft keeps a cache.
@@ -167,13 +172,27 @@ class Engine:
         table = BlockTable(num_slots, config.max_model_len, config.block_size, num_blocks, self.device)
         self.target_cache = target.new_cache(num_slots, config.max_model_len, table=table)
         self.draft_cache = None if probes[1] is None else draft.new_cache(num_slots, config.max_model_len, table=table)
-        self.blocks = BlockPool(table, enable_prefix_caching=config.enable_prefix_caching)
+        # Under data-parallel attention a rank holds the entries of its own slots only (engine/kv_blocks.py).
+        domains = workers.shard.size if data_parallel_attention else 1
+        self.blocks = BlockPool(table, enable_prefix_caching=config.enable_prefix_caching, domains=domains)
         self.runner = None
+        widths = (1, self.k + 1, self.max_drafts + 1)  # decode; verify and a draft's first pass; forced runs
         if self.graph_mode == "compiled":
-            widths = {1, self.k + 1, self.max_drafts + 1}  # decode; verify and a draft's first pass; forced runs
             self.runner = GraphRunner(
                 target, self.target_cache, draft, self.draft_cache, widths=widths, capture_sizes=capture_sizes
             )
+        if workers is not None:
+            compiled = self.runner is not None
+            layout = CacheLayout(
+                num_slots,
+                config.max_model_len,
+                config.block_size,
+                num_blocks,
+                table.scratch_block,
+                widths if compiled else None,
+                tuple(capture_sizes) if compiled else None,
+            )
+            workers.mirror(self.target_cache, layout)
         self.scheduler = Scheduler(
             config.max_num_seqs,
             self.masker,
@@ -236,6 +255,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def waiting_ids(self) -> set[str]:
+        """The ids of the requests not admitted yet (their grammar compiling, or no room)."""
+        return {request.request_id for request in self.scheduler.waiting}
 
     def kv_stats(self) -> KVStats:
         """The KV block pool's counters: blocks total, in use and cached, prefix-cache lookups and hits, preemptions."""
@@ -354,7 +377,12 @@ class Engine:
     def _forward(self, batch: ForwardBatch, *, return_hidden: bool = False, return_aux: bool = False):
         """The target's forward of `batch` into its cache: through the graph runner in graph mode."""
         model = self.target if self.runner is None else self.runner
-        return model.forward(batch, self.target_cache, return_hidden=return_hidden, return_aux=return_aux)
+        if self.workers is None:
+            return model.forward(batch, self.target_cache, return_hidden=return_hidden, return_aux=return_aux)
+        self.workers.forward(batch, return_hidden=return_hidden, return_aux=return_aux)
+        return self.workers.guard(
+            model.forward, batch, self.target_cache, return_hidden=return_hidden, return_aux=return_aux
+        )
 
     def _threads_for(self, batch: ForwardBatch) -> int | None:
         """The torch threads a step over `batch` runs with (None: torch's setting)."""

@@ -18,6 +18,10 @@ references are free: uncached ones are taken first, lowest id first (a row growi
 consecutive blocks, whose keys attention reads as a view of the pool), then cached ones in the order
 they were freed (least recently used first): a cached block is evicted only when no uncached block
 is left, and its key is dropped then.
+
+Domains: under data-parallel attention each rank writes the entries of the slots it owns only (``slot %
+domains``), so a block filled from one rank's slot holds nothing on the others. Keys start from the slot's
+domain, and a row reuses only blocks written from slots of its own.
 """
 
 from __future__ import annotations
@@ -63,9 +67,9 @@ class BlockPool:
     holding block ``b``; only registered (cached) blocks are ever held by more than one.
     """
 
-    def __init__(self, table: BlockTable, *, enable_prefix_caching: bool = True):
+    def __init__(self, table: BlockTable, *, enable_prefix_caching: bool = True, domains: int = 1):
         self.table, self.block_size = table, table.block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching, self.domains = enable_prefix_caching, domains
         num_blocks = table.num_blocks
         self.ref = [0] * num_blocks
         self.key: list[bytes | None] = [None] * num_blocks
@@ -87,20 +91,26 @@ class BlockPool:
     def blocks_for(self, num_positions: int) -> int:
         return -(-num_positions // self.block_size)
 
-    def match(self, tokens: list[int]) -> list[int]:
-        """The cached blocks of the longest registered prefix of ``tokens`` (full blocks only). Changes nothing."""
+    def root(self, slot: int) -> bytes:
+        """The parent key of a slot's first block: its domain's."""
+        return b"" if self.domains == 1 else (slot % self.domains).to_bytes(4, "little")
+
+    def match(self, tokens: list[int], slot: int) -> list[int]:
+        """The cached blocks of the longest registered prefix of ``tokens`` that ``slot`` may reuse (full blocks
+        only). Changes nothing."""
         blocks = []
         if self.enable_prefix_caching:
-            for key in block_keys(tokens, self.block_size):
+            for key in block_keys(tokens, self.block_size, self.root(slot)):
                 block = self.cached.get(key)
                 if block is None:
                     break
                 blocks.append(block)
         return blocks
 
-    def can_assign(self, tokens: list[int], num_positions: int) -> bool:
-        """Whether :meth:`assign` of ``tokens`` and a :meth:`grow` to ``num_positions`` would both succeed."""
-        cached = self.match(tokens)
+    def can_assign(self, slot: int, tokens: list[int], num_positions: int) -> bool:
+        """Whether :meth:`assign` of ``tokens`` to ``slot`` and a :meth:`grow` to ``num_positions`` would both
+        succeed."""
+        cached = self.match(tokens, slot)
         taken_from_free = sum(self.ref[b] == 0 for b in cached)
         return self.blocks_for(num_positions) - len(cached) <= self.num_free - taken_from_free
 
@@ -110,11 +120,11 @@ class BlockPool:
         admission; a preempted row's recompute does not)."""
         if self.table.rows[slot]:
             raise ValueError(f"slot {slot} still holds blocks {self.table.rows[slot]}")
-        blocks = self.match(tokens)
+        blocks = self.match(tokens, slot)
         for block in blocks:
             self._take(block)
         positions = len(blocks) * self.block_size
-        self.keys[slot] = block_keys(tokens[:positions], self.block_size)
+        self.keys[slot] = block_keys(tokens[:positions], self.block_size, self.root(slot))
         self.table.set_blocks(slot, blocks, read_only=positions)
         if count:
             self.queried_tokens += len(tokens)
@@ -159,7 +169,8 @@ class BlockPool:
         if full <= len(keys):
             return
         start = len(keys)
-        keys += block_keys(tokens[: full * self.block_size], self.block_size, keys[-1] if keys else b"", start)
+        parent = keys[-1] if keys else self.root(slot)
+        keys += block_keys(tokens[: full * self.block_size], self.block_size, parent, start)
         for key, block in zip(keys[start:], row[start:full]):
             if key not in self.cached:
                 self.cached[key] = block

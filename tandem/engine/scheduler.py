@@ -104,7 +104,7 @@ class Scheduler:
             if job is not None and not job.done():
                 continue
             resumed = request.request_id in self._preempted
-            if not self.pool.can_assign(request.tokens, self.reserve(request)):
+            if not self.pool.can_assign(self._free_slots[0], request.tokens, self.reserve(request)):
                 return
             self.waiting.remove(request)
             if not resumed:

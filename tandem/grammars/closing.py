@@ -22,7 +22,9 @@ tokens. Closing masks allow, once the budget is near, only tokens for which that
   object with that many required keys, opened as an optional value) can still outrun the budget.
 
 Witnesses are *derived* along the tokens a row takes: after token t, P[1:] if t = P[0], else P[1:] or
-P if that still ends; only when neither does, a fresh `search`: a breadth-first walk over the matcher
+P if that still ends; when neither does, or the derived one no longer fits the budget (t was kept by a
+proof, whose completion is shorter), a fresh `search` (and, when it finds none within the budget, the
+narrower one of the proofs, which finds again the completion that kept t): a breadth-first walk over the matcher
 with rollback, per level the states deduplicated by their next-token mask, a token that leaves a
 free-text state (more than `free_text` tokens allowed) with the same mask not followed (it wrote text
 and went nowhere), the `beam` states that wrote the most text kept (then the fewest tokens allowed),
@@ -142,6 +144,14 @@ class Closer:
             if not frontier:
                 return None
         return None
+
+    def fresh(self, matcher: Matcher, limit: int) -> Witness | None:
+        """A witness of at most `limit` tokens searched from the matcher's state: the wide search's, else the
+        narrow one's that `restrict` proves structural tokens with, so that a token kept by such a proof finds
+        its completion again from the state after it (the searches are deterministic; their beams prune
+        different paths)."""
+        witness = self.search(matcher, limit)
+        return witness if witness is not None else self.search(matcher, limit, *self.proof)
 
     def derive(self, matcher: Matcher, witness: Witness | None | str, token: int) -> Witness | None | str:
         """The witness after `token`, which the matcher has just accepted, from the one before it; UNKNOWN

@@ -14,6 +14,9 @@ alternation and bounded repeats: no lookarounds, no `\\d`, no `.`). What is left
 - uri: `scheme://host[:port]` with an optional path, query and fragment of unreserved, sub-delim
   and percent-encoded characters (no userinfo, no IP literals, no `mailto:x` form);
   uri-reference: such a URI, or a relative reference (path, query, fragment) of those characters;
+- iri, iri-reference, idn-email: the ASCII ones (as uri, uri-reference, email);
+- json-pointer, relative-json-pointer: exact (RFC 6901; a relative pointer without index moves);
+- uri-template: RFC 6570 with ASCII literals only;
 - byte / base64 (OpenAPI): padded standard base64.
 """
 
@@ -36,6 +39,11 @@ _PCHAR_NO_COLON = "([A-Za-z0-9._~!$&'()*+,;=@-]|%[0-9A-Fa-f]{2})"
 _QUERY = f"(\\?({_PCHAR}|[/?])*)?(#({_PCHAR}|[/?])*)?"
 URI = f"[A-Za-z][A-Za-z0-9+.-]*://{_LABEL}(\\.{_LABEL}){{0,5}}(:[0-9]{{1,5}})?(/{_PCHAR}*)*{_QUERY}"
 _RELATIVE = f"((/?{_PCHAR_NO_COLON}+(/{_PCHAR}*)*)|/)?{_QUERY}"
+_POINTER = "(/([^/~]|~[01])*)*"
+_PCT = "%[0-9A-Fa-f]{2}"
+_VARCHAR = f"([A-Za-z0-9_]|{_PCT})"
+_VARSPEC = f"{_VARCHAR}(\\.?{_VARCHAR})*(:[1-9][0-9]{{0,3}}|\\*)?"
+_TEMPLATE_LITERAL = "[!#$&()*+,\\-./0-9:;=?@A-Z\\[\\]_a-z~]"
 
 # format name -> a pattern (unanchored: `format_pattern` anchors it) accepting only valid strings.
 FORMAT_PATTERNS: dict[str, str] = {
@@ -62,9 +70,15 @@ FORMAT_PATTERNS: dict[str, str] = {
     "hostname": f"{_LABEL}(\\.{_LABEL}){{0,5}}",
     "uri": URI,
     "uri-reference": f"({URI}|{_RELATIVE})",
+    "json-pointer": _POINTER,
+    "relative-json-pointer": f"(0|[1-9][0-9]*)(#|{_POINTER})",
+    "uri-template": f"({_TEMPLATE_LITERAL}|{_PCT}|\\{{[+#./;?&=,!@|]?{_VARSPEC}(,{_VARSPEC})*\\}})*",
     "byte": "([A-Za-z0-9+/]{4})*([A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?",
 }
 FORMAT_PATTERNS["base64"] = FORMAT_PATTERNS["byte"]
+FORMAT_PATTERNS["iri"] = FORMAT_PATTERNS["uri"]  # an ASCII URI is an IRI
+FORMAT_PATTERNS["iri-reference"] = FORMAT_PATTERNS["uri-reference"]
+FORMAT_PATTERNS["idn-email"] = FORMAT_PATTERNS["email"]
 
 
 def format_pattern(name: str) -> str | None:

@@ -159,8 +159,10 @@ class SpeculativeMasker:
         if entry is None:
             if token is not None:
                 witness = self.closer.derive(state.matcher, witness, token)
-            if witness == UNKNOWN and self.closer.active(key[1]):
-                witness = self.closer.search(state.matcher, key[1])
+            unfit = witness == UNKNOWN or (isinstance(witness, tuple) and len(witness) > key[1])
+            if unfit and self.closer.active(key[1]):  # a proof may have kept `token` with a shorter completion
+                found = self.closer.fresh(state.matcher, key[1])
+                witness = witness if found is None else found
             entry = state.closing[key] = [witness, None]
         return entry
 

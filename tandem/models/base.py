@@ -171,6 +171,7 @@ class BlockTable:
         self.read_only = [0] * num_slots
         self.tensor = torch.full((num_slots, self.max_blocks), scratch_block, dtype=torch.int64, device=device)
         self._dirty = False
+        self.version = 0  # counts the changes to ``rows``: a parallel engine sends its workers the rows when it moved
 
     @classmethod
     def contiguous(cls, num_slots: int, max_len: int, device=None) -> BlockTable:
@@ -197,6 +198,7 @@ class BlockTable:
         self.rows[slot] = list(blocks)
         self.read_only[slot] = read_only
         self._dirty = True
+        self.version += 1
 
     def sync(self) -> Tensor:
         """:attr:`tensor` with the host rows copied in if they changed (one copy, no device read)."""

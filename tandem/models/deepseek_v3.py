@@ -17,6 +17,21 @@ Decoder layers ``< first_k_dense_replace`` use a dense SwiGLU MLP, the others th
 MoE of :mod:`tandem.models.moe`. Key names are the published ones (``model.layers.{i}.self_attn.
 kv_a_proj_with_mqa.weight``, ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``, ...). The
 settings are a :class:`~tandem.models.config.DeepseekV3Config`.
+
+Over ``shard.size`` ranks (:class:`~tandem.models.parallel.Shard`) the model runs as SGLang serves it, with
+data-parallel attention and an expert-parallel MoE; every rank is given the whole batch (SPMD) and its own cache:
+
+- attention: MLA's weights whole on every rank; each rank runs it (cache writes included) for the rows of the
+  slots it owns (:meth:`~tandem.models.parallel.Shard.owns_slot`, planned on the host from the batch's spans)
+  and puts their outputs at those rows' tokens of a zero ``[T, H]``, which is all-reduced: every rank then holds
+  every token's residual stream, exactly (each entry a sum with zeros). A rank may own no row of a step.
+- MLP: the dense layers' and the shared experts' intermediate columns split over the ranks, the routed
+  experts whole per rank (expert parallel) or each split by columns (:mod:`tandem.models.moe`); each rank's
+  partial sum is all-reduced once per layer (a sum in another order than one device's matmul takes).
+- the embedding and the LM head whole on every rank (vocabulary-parallel is a later step), so the MTP draft,
+  on rank 0, reads them as on one device.
+
+MLA's heads are not split (tensor-parallel attention): :func:`check_shard` refuses it.
 """
 
 from __future__ import annotations
@@ -25,8 +40,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tandem.core.transfer import int64_tensor
 from tandem.models.attention import RaggedLayout
-from tandem.models.base import BlockTable, ForwardBatch, KVCache, Target, TargetOutput, default_aux_layer_ids
+from tandem.models.base import (
+    BlockTable,
+    ForwardBatch,
+    KVCache,
+    RowSpans,
+    Target,
+    TargetOutput,
+    default_aux_layer_ids,
+)
 from tandem.models.config import DeepseekV3Config
 from tandem.models.layers import Layer
 from tandem.models.linear import Linear, MergedLinear, linear
@@ -34,7 +58,30 @@ from tandem.models.loading import TakeFn, WeightReader, load_module, load_param
 from tandem.models.mlp import GatedMLP
 from tandem.models.moe import DeepseekMoE
 from tandem.models.norm import RMSNorm
+from tandem.models.parallel import SINGLE, Shard
 from tandem.models.rope import RotaryEmbedding, Rotation
+
+
+def check_shard(config: DeepseekV3Config, shard: Shard) -> None:
+    """Refuse, with a ValueError naming the numbers, a parallel layout tandem does not run DeepSeek-V3 in:
+    several ranks without data-parallel attention (MLA's heads are not split), or sizes the ranks do not divide
+    (``intermediate_size``, ``n_routed_experts`` or ``moe_intermediate_size``, the shared experts'). Reads only
+    the config: a launcher can call it before it starts any process or reads a weight."""
+    if shard.parallel and not shard.data_parallel_attention:
+        raise ValueError(
+            f"DeepSeek-V3 over {shard.size} ranks runs with data-parallel attention in tandem "
+            f"(data_parallel_size={shard.size}, experts split over the ranks): MLA's "
+            f"{config.num_attention_heads} heads are not split (tensor_parallel_size={shard.size})"
+        )
+    if any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers)):
+        shard.part(config.intermediate_size, "intermediate_size")
+    if config.n_routed_experts:
+        inner = config.moe_intermediate_size
+        if shard.expert_parallel:
+            shard.part(config.n_routed_experts, "n_routed_experts")
+        else:
+            shard.part(inner, "moe_intermediate_size")
+        shard.part(inner * config.n_shared_experts, "n_shared_experts * moe_intermediate_size")
 
 
 def softmax_attention(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, *, scale: float) -> Tensor:
@@ -125,22 +172,54 @@ class MultiHeadLatentAttention(Layer):
 
 
 class DecoderLayer(Layer):
-    """Pre-norm residual block: MLA, then a dense SwiGLU MLP or the MoE. ``x: [T, H] -> [T, H]``."""
+    """Pre-norm residual block: MLA, then a dense SwiGLU MLP or the MoE. ``x: [T, H] -> [T, H]``.
 
-    def __init__(self, config: DeepseekV3Config, layer_id: int, softmax_scale_factor: float, **factory):
+    Over several ranks (``shard``, the module docstring): attention data-parallel; the dense MLP
+    tensor-parallel (:class:`~tandem.models.mlp.GatedMLP`) and the MoE each all-reduce their partial sums.
+    """
+
+    def __init__(
+        self, config: DeepseekV3Config, layer_id: int, softmax_scale_factor: float, *, shard: Shard = SINGLE, **factory
+    ):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.shard = shard
         self.input_layernorm = RMSNorm(hidden, eps=eps, **factory)
         self.self_attn = MultiHeadLatentAttention(config, softmax_scale_factor, **factory)
         self.post_attention_layernorm = RMSNorm(hidden, eps=eps, **factory)
         if config.is_moe_layer(layer_id):
-            self.mlp = DeepseekMoE(config, **factory)
+            self.mlp = DeepseekMoE(config, shard=shard, **factory)
         else:
-            self.mlp = GatedMLP(hidden, config.intermediate_size, **factory)
+            self.mlp = GatedMLP(hidden, config.intermediate_size, shard=shard, **factory)
 
-    def forward(self, x: Tensor, rope: Rotation, layout: RaggedLayout, latent_cache: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, layout, latent_cache)
+    def forward(
+        self,
+        x: Tensor,
+        rope: Rotation | None,
+        layout: RaggedLayout | None,
+        latent_cache: Tensor,
+        attention_tokens: Tensor | None = None,
+    ) -> Tensor:
+        """``x: [T, H]``; ``rope`` and ``layout`` are those of the tokens attention runs over: all T, or under
+        data-parallel attention those of ``attention_tokens [T_a] int64`` (their indices among the T: this
+        rank's rows; ``rope`` and ``layout`` None when it owns none)."""
+        if attention_tokens is None:
+            x = x + self.self_attn(self.input_layernorm(x), rope, layout, latent_cache)
+        else:
+            x = x + self.shard.all_reduce(self.attend_rows(x, rope, layout, latent_cache, attention_tokens))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def attend_rows(
+        self, x: Tensor, rope: Rotation | None, layout: RaggedLayout | None, latent_cache: Tensor, tokens: Tensor
+    ) -> Tensor:
+        """This rank's part of data-parallel attention: ``[T, H]``, the attention outputs of its rows' tokens
+        (``tokens [T_a]``) at their places, zero at the others'."""
+        if layout is None:
+            return torch.zeros_like(x)
+        if tokens.shape[0] == x.shape[0]:  # every row is this rank's: the tokens in order
+            return self.self_attn(self.input_layernorm(x), rope, layout, latent_cache)
+        out = self.self_attn(self.input_layernorm(x[tokens]), rope, layout, latent_cache)
+        return torch.zeros_like(x).index_copy_(0, tokens, out)
 
     def load(self, take: TakeFn, prefix: str) -> None:
         """Read every tensor of ``{prefix}*`` (``model.layers.{i}.``)."""
@@ -161,6 +240,8 @@ class DeepseekV3(nn.Module):
         aux_layer_ids: EAGLE-3 capture points (HF ``hidden_states`` indices); default
             :func:`~tandem.models.base.default_aux_layer_ids`.
         dtype, device: of the parameters and caches (the router bias stays float32).
+        shard: this rank's place (the module docstring); ValueError for a layout :func:`check_shard` refuses.
+            Construction runs no collective (a meta-device model needs no process group).
     """
 
     def __init__(
@@ -170,21 +251,29 @@ class DeepseekV3(nn.Module):
         aux_layer_ids: tuple[int, ...] | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        shard: Shard = SINGLE,
     ):
         super().__init__()
+        check_shard(config, shard)
         factory = {"dtype": dtype, "device": device}
-        self.config, self.checkpoint_dir = config, None
+        self.config, self.checkpoint_dir, self.shard = config, None, shard
         self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
         self.num_layers = config.num_hidden_layers
         self.aux_layer_ids = tuple(aux_layer_ids or default_aux_layer_ids(self.num_layers))
         self.rope = RotaryEmbedding(config.rope, config.qk_rope_head_dim, dtype or torch.get_default_dtype())
         self.embed_tokens = nn.Embedding(self.vocab_size, self.hidden_size, **factory)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rope.softmax_scale_factor, **factory) for i in range(self.num_layers)
+            DecoderLayer(config, i, self.rope.softmax_scale_factor, shard=shard, **factory)
+            for i in range(self.num_layers)
         )
         self.norm = RMSNorm(self.hidden_size, eps=config.rms_norm_eps, **factory)
         tied = config.tie_word_embeddings
         self.head = None if tied else Linear(self.hidden_size, self.vocab_size, bias=False, **factory)
+
+    @property
+    def data_parallel_attention(self) -> bool:
+        """Whether each rank runs the attention of its own rows (several ranks)."""
+        return self.shard.parallel and self.shard.data_parallel_attention
 
     def new_cache(self, num_slots: int, max_len: int, *, table: BlockTable | None = None) -> KVCache:
         """Latent pools ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` per layer over ``table``."""
@@ -211,37 +300,75 @@ class DeepseekV3(nn.Module):
 
         ``hidden`` is ``[T, H]`` after the final norm; ``aux_hidden`` is ``[T, len(aux_layer_ids) * H]``,
         the inputs of the layers in :attr:`aux_layer_ids` (index ``num_layers`` = the normed output).
-        The host's part (checks, the layout), then :meth:`forward_layout`.
+        The host's part (checks, the layout: of this rank's rows under data-parallel attention), then
+        :meth:`forward_layout`.
         """
         if return_aux and not all(0 <= i <= self.num_layers for i in self.aux_layer_ids):
             raise ValueError(f"aux_layer_ids {self.aux_layer_ids} outside hidden_states indices 0..{self.num_layers}")
         cache.begin_forward(batch)
-        layout = RaggedLayout.build(batch, cache)
+        if self.data_parallel_attention:
+            layout, positions, tokens = self.own_rows(batch, cache)
+        else:
+            layout, positions, tokens = RaggedLayout.build(batch, cache), batch.positions, None
         return self.forward_layout(
-            layout, batch.input_ids, batch.positions, cache.layers, batch.logits_indices, return_hidden, return_aux
+            layout,
+            batch.input_ids,
+            positions,
+            cache.layers,
+            batch.logits_indices,
+            return_hidden,
+            return_aux,
+            attention_tokens=tokens,
         )
+
+    def own_rows(self, batch: ForwardBatch, cache: KVCache) -> tuple[RaggedLayout | None, Tensor, Tensor]:
+        """Data-parallel attention's plan, from the batch's host spans: ``(layout, positions [T_a], tokens [T_a])``
+        of the rows whose slots this rank owns, the layout over ``cache`` (None when it owns none) and the
+        tokens' indices among the batch's T."""
+        spans, offsets = batch.spans, batch.spans.offsets()
+        rows = [b for b, slot in enumerate(spans.slots) if self.shard.owns_slot(slot)]
+        tokens = int64_tensor([t for b in rows for t in range(offsets[b], offsets[b + 1])], batch.input_ids.device)
+        if not rows:
+            return None, batch.positions[tokens], tokens
+        if len(rows) < batch.num_rows:
+            own = RowSpans(*([values[b] for b in rows] for values in (spans.starts, spans.lengths, spans.slots)))
+            batch = ForwardBatch.build(batch.input_ids[tokens], own)
+        return RaggedLayout.build(batch, cache), batch.positions, tokens
 
     def forward_layout(
         self,
-        layout: RaggedLayout,
+        layout: RaggedLayout | None,
         input_ids: Tensor,
         positions: Tensor,
         layers: list[Tensor],
         logits_indices: Tensor | None = None,
         return_hidden: bool = False,
         return_aux: bool = False,
+        attention_tokens: Tensor | None = None,
     ) -> TargetOutput:
-        """The forward's tensor body over a planned ``layout``: ``input_ids, positions [T] int64``,
-        ``layers`` the cache's per-layer tensors. Reads nothing back from the device, so it compiles
-        into one graph (:mod:`tandem.engine.graphs`)."""
-        rope = self.rope(positions, layout.max_key)
+        """The forward's tensor body over a planned ``layout``: ``input_ids [T] int64``, ``layers`` the cache's
+        per-layer tensors; ``layout`` and ``positions [T_a] int64`` are those of the tokens attention runs over:
+        all T, or under data-parallel attention this rank's rows' (:meth:`own_rows`; ``layout`` None when it owns
+        none), whose indices among the T are ``attention_tokens [T_a] int64`` (None: all T).
+
+        Reads nothing back from the device, so it compiles into one graph (:mod:`tandem.engine.graphs`), but
+        not under data-parallel attention: graph mode's static layout holds every row of the padded batch,
+        where each rank attends its own rows, a set that differs by rank and step. Called without
+        ``attention_tokens`` there (as graph mode calls it), it raises ValueError."""
+        if attention_tokens is None and self.data_parallel_attention:
+            raise ValueError(
+                f"DeepSeek-V3 with data-parallel attention over {self.shard.size} ranks runs eagerly "
+                "(graph_mode='eager'): graph mode's static layout covers every row of the batch, where each rank "
+                "attends only its own rows"
+            )
+        rope = None if layout is None else self.rope(positions, layout.max_key)
         capture = self.aux_layer_ids if return_aux else ()
         captured: dict[int, Tensor] = {}
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             if i in capture:
                 captured[i] = x
-            x = layer(x, rope, layout, layers[i])
+            x = layer(x, rope, layout, layers[i], attention_tokens)
         x = captured[self.num_layers] = self.norm(x)
         selected = x if logits_indices is None else x[logits_indices]
         return TargetOutput(
@@ -259,6 +386,15 @@ class DeepseekV3(nn.Module):
         if self.head is not None:
             load_param(self.head.weight, take, "lm_head.weight")
 
+    def foreign_keys(self) -> list[str]:
+        """Regexes (``re.match``) of the checkpoint keys :meth:`load` leaves to other ranks: their routed experts'."""
+        return [
+            pattern
+            for i, layer in enumerate(self.layers)
+            if isinstance(layer.mlp, DeepseekMoE)
+            for pattern in layer.mlp.experts.foreign_keys(f"model.layers.{i}.mlp.experts.")
+        ]
+
 
 def build(
     config: DeepseekV3Config,
@@ -267,12 +403,14 @@ def build(
     dtype: torch.dtype,
     device: torch.device,
     target: Target | None = None,
+    shard: Shard = SINGLE,
 ) -> DeepseekV3:
-    """The :mod:`tandem.models.loading` builder: a DeepSeek-V3 target with its checkpoint's weights.
+    """The :mod:`tandem.models.loading` builder: a DeepSeek-V3 target with its checkpoint's weights (this rank's
+    part of them over several ranks: only those bytes are read).
 
     The MTP layers (``model.layers.{L}.*`` and up) are left for :mod:`tandem.models.drafts.mtp`.
     """
-    model = DeepseekV3(config, dtype=dtype, device="meta").to_empty(device=device)  # weights follow
+    model = DeepseekV3(config, dtype=dtype, device="meta", shard=shard).to_empty(device=device)  # weights follow
     model.load(weights.take)
-    weights.finish(ignore=[rf"model\.layers\.{i}\." for i in config.mtp_layer_ids])
+    weights.finish(ignore=[rf"model\.layers\.{i}\." for i in config.mtp_layer_ids] + model.foreign_keys())
     return model.eval().requires_grad_(False)

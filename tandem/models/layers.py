@@ -2,8 +2,9 @@
 
 The blocks themselves live one concern per module: :mod:`~tandem.models.linear` (matmuls, merged
 projections, weights stored narrower), :mod:`~tandem.models.norm` (RMSNorm),
-:mod:`~tandem.models.rope` (rotary embeddings), :mod:`~tandem.models.mlp` (the SwiGLU MLP) and
-:mod:`~tandem.models.moe` (routed experts).
+:mod:`~tandem.models.rope` (rotary embeddings), :mod:`~tandem.models.mlp` (the SwiGLU MLP),
+:mod:`~tandem.models.moe` (routed experts) and :mod:`~tandem.models.vocab` (the vocabulary-parallel embedding
+and LM head).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Matmuls with weights: :func:`linear`, :class:`Linear`, :class:`MergedLinear`, and weights stored narrower.
+"""Matmuls with weights: :func:`linear`, :class:`Linear`, :class:`MergedLinear`, :class:`RowParallelLinear`, and
+weights stored narrower.
 
 Merged projections: :class:`MergedLinear` keeps several published projections that read the same
 input (Llama's ``q_proj``/``k_proj``/``v_proj``, SwiGLU's ``gate_proj``/``up_proj``, MLA's
@@ -6,6 +7,12 @@ input (Llama's ``q_proj``/``k_proj``/``v_proj``, SwiGLU's ``gate_proj``/``up_pro
 column-parallel layers). On small models most of a decode step is per-op overhead, so every op
 saved counts. Checkpoints still name each part
 (:func:`~tandem.models.loading.checkpoint_tensors`).
+
+Tensor parallel (Megatron's layout, as vLLM's): given a parallel :class:`~tandem.models.parallel.Shard`, a
+:class:`MergedLinear` is column-parallel (each rank the rows of its piece of every part: its heads, its MLP
+columns) and a :class:`RowParallelLinear` reads those pieces (its input columns) and sums the ranks' products,
+so a column-parallel / row-parallel pair costs one all-reduce. Each parameter names its piece of the stored
+tensor (``checkpoint_parts``, :class:`~tandem.models.loading.Part`), the only bytes its rank reads.
 
 Weights stored narrower (the CPU fast path): :func:`narrow_exact_weights` keeps in bfloat16 every
 matmul weight that bfloat16 holds exactly (all of a bfloat16 checkpoint's, in a float32 model), and
@@ -31,6 +38,8 @@ from torch import Tensor, nn
 
 from tandem.kernels import cpu_linear
 from tandem.models.layers import Layer
+from tandem.models.loading import Part
+from tandem.models.parallel import SINGLE, Shard
 
 
 def widened(weight: Tensor, like: Tensor) -> Tensor:
@@ -70,13 +79,18 @@ class MergedLinear(Layer):
 
     ``parts`` maps each checkpoint name (``"q_proj"``) to its output size; the checkpoint keys are
     ``{parent prefix}{name}.weight`` (and ``.bias``), as if each part were its own ``nn.Linear``.
+    Column-parallel with a parallel ``shard``: each part keeps this rank's ``1 / shard.size`` of its outputs
+    (``sizes`` are the local ones; ValueError naming the part where the size does not divide its outputs).
     """
 
     narrowable = ("weight",)
 
-    def __init__(self, in_features: int, parts: dict[str, int], *, bias: bool = False, **factory):
+    def __init__(
+        self, in_features: int, parts: dict[str, int], *, bias: bool = False, shard: Shard = SINGLE, **factory
+    ):
         super().__init__()
-        self.in_features, self.parts = in_features, dict(parts)
+        self.in_features, self.shard = in_features, shard
+        self.parts = {name: shard.part(rows, f"{name} outputs")[1] for name, rows in parts.items()}
         self.sizes = list(self.parts.values())
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features, **factory))
         self.bias = nn.Parameter(torch.empty(sum(self.sizes), **factory)) if bias else None
@@ -84,14 +98,36 @@ class MergedLinear(Layer):
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
 
-    def part_tensors(self, prefix: str) -> Iterator[tuple[str, Tensor]]:
-        """``(checkpoint key, view of the merged parameter)`` for each part's weight (and bias)."""
+    def part_tensors(self, prefix: str) -> Iterator[tuple[str, Tensor, Part | None]]:
+        """``(checkpoint key, view of the merged parameter, the piece of the stored tensor it holds)`` for each
+        part's weight (and bias); the piece is None on one device (the whole tensor)."""
+        piece = Part(0, self.shard.rank, self.shard.size) if self.shard.parallel else None
         start = 0
         for name, rows in self.parts.items():
-            yield f"{prefix}{name}.weight", self.weight[start : start + rows]
+            yield f"{prefix}{name}.weight", self.weight[start : start + rows], piece
             if self.bias is not None:
-                yield f"{prefix}{name}.bias", self.bias[start : start + rows]
+                yield f"{prefix}{name}.bias", self.bias[start : start + rows], piece
             start += rows
+
+
+class RowParallelLinear(Linear):
+    """A linear whose input features are split over ``shard``'s ranks: ``x: [T, in / size]`` (this rank's columns,
+    a column-parallel layer's output) ``-> [T, out]``, the sum of every rank's product, plus the bias once.
+
+    The weight is this rank's ``[out, in / size]`` columns (ValueError where the size does not divide
+    ``in_features``); the bias is whole, added after the all-reduce. On one device, a :class:`Linear`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, shard: Shard = SINGLE, **factory):
+        super().__init__(shard.part(in_features, "input features")[1], out_features, bias, **factory)
+        self.shard = shard
+        self.checkpoint_parts = {"weight": Part(1, shard.rank, shard.size)} if shard.parallel else {}
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.shard.parallel:
+            return linear(x, self.weight, self.bias)
+        out = self.shard.all_reduce(linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
 
 
 @torch.no_grad()

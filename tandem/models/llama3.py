@@ -9,6 +9,13 @@ has one path; the fast paths sit behind the building blocks (:mod:`~tandem.model
 addressing behind :class:`tandem.models.attention.RaggedLayout`. The settings are a
 :class:`~tandem.models.config.LlamaConfig`. The cache entry per token and layer is the stacked
 ``(K, V)``: ``[2, num_key_value_heads, head_dim]``.
+
+Tensor parallel (a parallel :class:`~tandem.models.parallel.Shard`, vLLM's Megatron layout): each rank keeps
+``1 / size`` of the query and of the key/value heads (QKV column-parallel, ``o_proj`` row-parallel), of the MLP
+columns, and of the vocabulary (:mod:`tandem.models.vocab`); two all-reduces per layer, one for the embedding
+and an all-gather of the logits, so every rank's forward returns what one device would. Its cache holds its
+key/value heads only. Every rank runs the same forward on the same batch (SPMD); the drafts run on rank 0 and
+call ``embed`` / ``lm_head``, the whole-vocabulary ops rank 0 keeps.
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from tandem.models.attention import RaggedLayout
 from tandem.models.base import BlockTable, ForwardBatch, KVCache, TargetOutput, default_aux_layer_ids
 from tandem.models.config import LlamaConfig
 from tandem.models.layers import Layer
-from tandem.models.linear import Linear, MergedLinear, linear
+from tandem.models.linear import MergedLinear, RowParallelLinear
 from tandem.models.loading import WeightReader, load_module
 from tandem.models.mlp import GatedMLP
 from tandem.models.norm import RMSNorm
+from tandem.models.parallel import SINGLE, Shard
 from tandem.models.rope import Rotary, Rotation
+from tandem.models.vocab import ParallelLMHead, VocabParallelEmbedding
 
 
 class Attention(Layer):
@@ -34,17 +43,20 @@ class Attention(Layer):
 
     ``input_size`` is the hidden size except in EAGLE-3's draft layer (2 * hidden). The q/k/v
     projections are one :class:`MergedLinear` (checkpoint keys ``q_proj``, ``k_proj``, ``v_proj``).
+    With a parallel ``shard``, this rank's heads: ``num_heads`` and ``num_kv_heads`` are the local counts,
+    ``o_proj`` is row-parallel (ValueError naming the heads where the size does not divide them).
     """
 
-    def __init__(self, config: LlamaConfig, input_size: int | None = None, **factory):
+    def __init__(self, config: LlamaConfig, input_size: int | None = None, *, shard: Shard = SINGLE, **factory):
         super().__init__()
         hidden, bias = config.hidden_size, config.attention_bias
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads = shard.part(config.num_attention_heads, "num_attention_heads")[1]
+        self.num_kv_heads = shard.part(config.num_key_value_heads, "num_key_value_heads")[1]
         self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         parts = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
-        self.qkv_proj = MergedLinear(input_size or hidden, parts, bias=bias, **factory)
-        self.o_proj = Linear(q_size, hidden, bias=bias, **factory)
+        self.qkv_proj = MergedLinear(input_size or hidden, parts, bias=bias, shard=shard, **factory)
+        self.o_proj = RowParallelLinear(q_size, hidden, bias=bias, shard=shard, **factory)
 
     def forward(self, x: Tensor, rope: Rotation, layout: RaggedLayout, cache: Tensor) -> Tensor:
         """Write the batch's K/V into ``cache [num_blocks, block_size, 2, nkv, d]`` at the tokens' positions, then
@@ -62,13 +74,13 @@ class Attention(Layer):
 class DecoderLayer(Layer):
     """Pre-norm Llama block ``x: [T, H] -> [T, H]``. EAGLE-1's draft layer has no ``input_layernorm``."""
 
-    def __init__(self, config: LlamaConfig, *, input_layernorm: bool = True, **factory):
+    def __init__(self, config: LlamaConfig, *, input_layernorm: bool = True, shard: Shard = SINGLE, **factory):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, **factory) if input_layernorm else nn.Identity()
-        self.self_attn = Attention(config, **factory)
+        self.self_attn = Attention(config, shard=shard, **factory)
         self.post_attention_layernorm = RMSNorm(hidden, eps, **factory)
-        self.mlp = GatedMLP(hidden, config.intermediate_size, bias=config.mlp_bias, **factory)
+        self.mlp = GatedMLP(hidden, config.intermediate_size, bias=config.mlp_bias, shard=shard, **factory)
 
     def forward(self, x: Tensor, rope: Rotation, layout: RaggedLayout, cache: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, layout, cache)
@@ -76,34 +88,49 @@ class DecoderLayer(Layer):
 
 
 def kv_entry_shape(attention: Attention) -> tuple[int, ...]:
-    """One token's cache entry for ``attention``: ``(2, num_kv_heads, head_dim)``."""
+    """One token's cache entry for ``attention``: ``(2, num_kv_heads, head_dim)`` (its rank's heads)."""
     return (2, attention.num_kv_heads, attention.head_dim)
 
 
 class _Body(nn.Module):
     """``model.*``: embeddings, decoder layers, final norm."""
 
-    def __init__(self, config: LlamaConfig, **factory):
+    def __init__(self, config: LlamaConfig, shard: Shard, **factory):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(config, **factory) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard=shard, **factory)
+        layers = (DecoderLayer(config, shard=shard, **factory) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
 
 
-class Llama3(nn.Module):
-    """The Llama 3 target (implements :class:`tandem.models.base.Target`)."""
+def check_shard(config: LlamaConfig, shard: Shard) -> None:
+    """Refuse, with a ValueError naming the numbers, a layout tandem does not run Llama 3 in: a data-parallel
+    attention or expert-parallel shard, or sizes the ranks do not divide (heads, KV heads, ``intermediate_size``,
+    ``vocab_size``). Reads only the config: a launcher calls it before it starts a process or reads a weight."""
+    if shard.data_parallel_attention or shard.expert_parallel:
+        raise ValueError("Llama 3 splits over ranks by tensor parallelism only (no data-parallel attention or experts)")
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        shard.part(getattr(config, what), what)
 
-    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str):
+
+class Llama3(nn.Module):
+    """The Llama 3 target (implements :class:`tandem.models.base.Target`); with a parallel ``shard``, this rank's
+    part of it. Construction runs no collective (a ``"meta"`` model counts a rank's bytes without a group)."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: torch.dtype, device: torch.device | str, shard: Shard = SINGLE):
         super().__init__()
-        self.config = config
+        check_shard(config, shard)
+        self.config, self.shard = config, shard
         self.checkpoint_dir: Path | None = None
         self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
         self.num_layers = config.num_hidden_layers
         self.aux_layer_ids = default_aux_layer_ids(self.num_layers)
         factory = {"dtype": dtype, "device": device}
-        self.model = _Body(config, **factory)
+        self.model = _Body(config, shard, **factory)
         self.tied = config.tie_word_embeddings
-        self.lm_head_proj = None if self.tied else Linear(self.hidden_size, self.vocab_size, bias=False, **factory)
+        self.lm_head_proj = (
+            None if self.tied else ParallelLMHead(self.vocab_size, self.hidden_size, shard=shard, **factory)
+        )
         self.rotary = Rotary(config.rope, config.head_dim, dtype)
 
     # Checkpoint key of the head is ``lm_head.weight``; ``lm_head`` itself is the Target method.
@@ -122,13 +149,16 @@ class Llama3(nn.Module):
         )
 
     def embed(self, ids: Tensor) -> Tensor:
-        """``ids: [T] int64`` -> ``[T, H]``."""
-        return self.model.embed_tokens(ids)
+        """``ids: [T] int64`` -> ``[T, H]``. No collective: with a parallel shard, rank 0's (the drafts')."""
+        return self.model.embed_tokens.embed_whole(ids)
 
     def lm_head(self, hidden: Tensor) -> Tensor:
-        """``hidden: [N, H]`` (already normed) -> ``[N, V] float32``."""
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head_proj.weight
-        return linear(hidden, weight).float()
+        """``hidden: [N, H]`` (already normed) -> ``[N, V] float32``. No collective: with a parallel shard, rank
+        0's (the drafts')."""
+        return self._head().logits_whole(hidden)
+
+    def _head(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens if self.tied else self.lm_head_proj
 
     def forward(
         self, batch: ForwardBatch, cache: KVCache, *, return_hidden: bool = False, return_aux: bool = False
@@ -157,7 +187,7 @@ class Llama3(nn.Module):
         positions [T] int64``, ``layers`` the cache's per-layer tensors. Reads nothing back from the
         device, so it compiles into one graph (``torch.compile(fullgraph=True)``, :mod:`tandem.engine.graphs`)."""
         rope = self.rotary(positions, layout.max_key)
-        x = self.embed(input_ids)
+        x = self.model.embed_tokens(input_ids)
         captured: dict[int, Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if return_aux and i in self.aux_layer_ids:
@@ -169,7 +199,7 @@ class Llama3(nn.Module):
             aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
         selected = hidden if logits_indices is None else hidden[logits_indices]
         return TargetOutput(
-            logits=self.lm_head(selected),
+            logits=self._head().logits(selected),
             hidden=hidden if return_hidden else None,
             aux_hidden=aux if return_aux else None,
         )
@@ -182,8 +212,9 @@ def build(
     dtype: torch.dtype,
     device: torch.device,
     target: None = None,
+    shard: Shard = SINGLE,
 ) -> Llama3:
-    """The loading registry's builder for ``model_type == "llama"``."""
-    model = Llama3(config, dtype=dtype, device="meta").to_empty(device=device)  # no random init: weights follow
+    """The loading registry's builder for ``model_type == "llama"``; a parallel ``shard`` reads its pieces only."""
+    model = Llama3(config, dtype=dtype, device="meta", shard=shard).to_empty(device=device)  # weights follow
     model.load(weights)
     return model.eval().requires_grad_(False)

@@ -14,7 +14,10 @@ module exposes::
     build(config: <its config>, weights: WeightReader | None, *, dtype: torch.dtype,
           device: torch.device, target: Target | None = None) -> Target | Draft
 
-(``target`` is None for targets; ``weights`` is None for the model-free n-gram draft.)
+(``target`` is None for targets; ``weights`` is None for the model-free n-gram draft.) A target's
+builder also takes ``shard: Shard`` (:mod:`tandem.models.parallel`): the rank's part of a parallel model,
+which reads only its pieces of the tensors (``take(..., part=Part(...))``); one that cannot split raises
+ValueError naming the model when ``shard.size > 1``.
 Builders read tensors with ``weights.take(key, shape)``, which fails with an error naming the
 key and both shapes, and end with ``weights.finish(ignore=...)``, which names every tensor of the
 checkpoint the builder did not read.
@@ -32,7 +35,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -41,7 +44,7 @@ from torch import Tensor
 from tandem.models import fp8
 from tandem.models.base import Draft, Target
 from tandem.models.config import DeepseekV3Config, Eagle3Config, EagleConfig, LlamaConfig, NgramConfig, SuffixConfig
-from tandem.models.linear import MergedLinear
+from tandem.models.parallel import SINGLE, Shard
 
 TARGET_MODULES = {  # config model_type -> (provider module, the config it is built from)
     "llama": ("tandem.models.llama3", LlamaConfig),
@@ -64,6 +67,22 @@ CHECKPOINT_FILES = (  # (sharded index, single file), in order of preference
     ("pytorch_model.bin.index.json", "pytorch_model.bin"),
 )
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Part(NamedTuple):
+    """Piece ``index`` of a stored tensor cut into ``count`` equal pieces along ``dim``: what one rank of a parallel
+    group holds of a sharded weight (:class:`tandem.models.parallel.Shard`)."""
+
+    dim: int
+    index: int
+    count: int
+
+    def bounds(self, size: int) -> tuple[int, int]:
+        """``(start, stop)`` of the piece along a dimension of ``size`` (``count`` must divide it)."""
+        if size % self.count:
+            raise ValueError(f"{size} does not divide into {self.count} parts")
+        piece = size // self.count
+        return self.index * piece, (self.index + 1) * piece
 
 
 class CheckpointError(ValueError):
@@ -163,51 +182,85 @@ class WeightReader:
             hint = f"; similar keys: {close}" if close else ""
             raise CheckpointError(f"{self.path}: missing tensor {key!r} (expected shape {shape}){hint}")
 
-    def take(self, key: str, shape: tuple[int, ...] | None = None, *, dtype: torch.dtype | None = None) -> Tensor:
-        """Tensor ``key`` checked against ``shape`` (None: any), as ``dtype`` (default: the reader's).
+    def take(
+        self,
+        key: str,
+        shape: tuple[int, ...] | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        part: Part | None = None,
+    ) -> Tensor:
+        """Tensor ``key`` (only its ``part`` when given: a rank's piece, the only bytes read) checked against
+        ``shape`` (None: any; a part's shape when ``part`` is given), as ``dtype`` (default: the reader's).
 
         Raises :class:`CheckpointError` naming the key, the expected and the found shape.
         """
         self._require(key, shape)
-        tensor = self._open(key).get_tensor(key)
-        if shape is not None and tuple(tensor.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{self.path}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
-            )
-        if not (tensor.is_floating_point() or dtype is not None):
-            raise CheckpointError(f"{self.path}: tensor {key!r} has dtype {tensor.dtype}, expected a float tensor")
+        handle = self._open(key)
+        stored = self.shape(key)
+        bounds = None if part is None else self._part_bounds(key, stored, part)
+        found = stored if bounds is None else stored[: part.dim] + (bounds[1] - bounds[0],) + stored[part.dim + 1 :]
+        if shape is not None and tuple(found) != tuple(shape):
+            what = "has shape" if part is None else f"(stored {stored}) has a part {part} of shape"
+            raise CheckpointError(f"{self.path}: tensor {key!r} {what} {tuple(found)}, expected {tuple(shape)}")
         scale_key = key + fp8.SCALE_SUFFIX
         if scale_key in self._shard_of:
-            tensor = self._dequantized(key, tensor, scale_key, dtype or self.dtype)
-        elif tensor.dtype.itemsize == 1 and tensor.is_floating_point():
-            raise CheckpointError(
-                f"{self.path}: tensor {key!r} is {tensor.dtype}: dequantize the checkpoint first "
-                f"(tandem reads FP8 weights with their {scale_key!r} under an fp8 quantization_config)"
-            )
+            tensor = self._dequantized(key, scale_key, dtype or self.dtype, part, bounds)
+        else:
+            tensor = _read(handle, key, None if part is None else (part.dim, *bounds))
+            if not (tensor.is_floating_point() or dtype is not None):
+                raise CheckpointError(f"{self.path}: tensor {key!r} has dtype {tensor.dtype}, expected a float tensor")
+            if tensor.dtype.itemsize == 1 and tensor.is_floating_point():
+                raise CheckpointError(
+                    f"{self.path}: tensor {key!r} is {tensor.dtype}: dequantize the checkpoint first "
+                    f"(tandem reads FP8 weights with their {scale_key!r} under an fp8 quantization_config)"
+                )
         self._used.add(key)
         return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
-    def _dequantized(self, key: str, weight: Tensor, scale_key: str, dtype: torch.dtype) -> Tensor:
-        """FP8 ``weight`` (tensor ``key``) times its block scales (tensor ``scale_key``, then counted as used),
-        in ``dtype`` on the reader's device."""
+    def _part_bounds(self, key: str, stored: tuple[int, ...], part: Part) -> tuple[int, int]:
+        if not 0 <= part.dim < len(stored) or not 0 <= part.index < part.count:
+            raise CheckpointError(f"{self.path}: tensor {key!r} {stored} has no part {part}")
+        try:
+            return part.bounds(stored[part.dim])
+        except ValueError as error:
+            raise CheckpointError(f"{self.path}: tensor {key!r} {stored} along dim {part.dim}: {error}") from None
+
+    def _dequantized(
+        self, key: str, scale_key: str, dtype: torch.dtype, part: Part | None, bounds: tuple[int, int] | None
+    ) -> Tensor:
+        """FP8 tensor ``key`` (its ``part``, within ``bounds``) times its block scales (tensor ``scale_key``, then
+        counted as used), in ``dtype`` on the reader's device. A part reads only the scale blocks it overlaps and
+        their weight rows or columns, and cuts the piece from them after dequantizing."""
         if self.block is None:
             raise CheckpointError(
                 f"{self.path}: tensor {scale_key!r} is a block scale, but config.json has no fp8 quantization_config"
             )
+        stored = self.shape(key)
+        weight_handle, scale_handle = self._open(key), self._open(scale_key)
+        expected = fp8.scale_shape(stored, self.block) if len(stored) == 2 else None
+        if self.shape(scale_key) != expected:
+            raise CheckpointError(
+                f"{self.path}: tensor {scale_key!r} has shape {self.shape(scale_key)}, "
+                f"expected {expected} (blocks of {self.block} over {key!r} {stored})"
+            )
+        cut = None
+        if part is None:
+            weight, scale = weight_handle.get_tensor(key), scale_handle.get_tensor(scale_key)
+        else:  # whole blocks around the piece, then the piece
+            size = self.block[part.dim]
+            first, last = bounds[0] // size, -(-bounds[1] // size)
+            weight = _read(weight_handle, key, (part.dim, first * size, min(last * size, stored[part.dim])))
+            scale = _read(scale_handle, scale_key, (part.dim, first, last))
+            cut = (bounds[0] - first * size, bounds[1] - first * size)
         if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
             raise CheckpointError(
-                f"{self.path}: tensor {key!r} is {weight.dtype} {tuple(weight.shape)}: expected a 2-D float8_e4m3fn "
+                f"{self.path}: tensor {key!r} is {weight.dtype} {stored}: expected a 2-D float8_e4m3fn "
                 f"weight beside {scale_key!r}"
             )
-        scale = self._open(scale_key).get_tensor(scale_key)
-        expected = fp8.scale_shape(tuple(weight.shape), self.block)
-        if tuple(scale.shape) != expected:
-            raise CheckpointError(
-                f"{self.path}: tensor {scale_key!r} has shape {tuple(scale.shape)}, expected {expected} "
-                f"(blocks of {self.block} over {key!r} {tuple(weight.shape)})"
-            )
         self._used.add(scale_key)
-        return fp8.dequantize(weight.to(self.device), scale.to(self.device), self.block, dtype)
+        tensor = fp8.dequantize(weight.to(self.device), scale.to(self.device), self.block, dtype)
+        return tensor if cut is None else tensor.narrow(part.dim, cut[0], cut[1] - cut[0]).contiguous()
 
     def unused(self, ignore: Iterable[str] = ()) -> list[str]:
         """Keys nobody took, except those matching a regex in ``ignore`` (``re.match``)."""
@@ -221,6 +274,18 @@ class WeightReader:
         if left:
             shown = left[:20] + ([f"... {len(left) - 20} more"] if len(left) > 20 else [])
             raise CheckpointError(f"{self.path}: {len(left)} tensors were not used by the model: {shown}")
+
+
+def _read(handle, key: str, piece: tuple[int, int, int] | None) -> Tensor:
+    """Tensor ``key`` of an open shard, or only ``piece = (dim, start, stop)`` of it (safetensors reads just those
+    bytes; a ``.bin`` shard is in memory already)."""
+    if piece is None:
+        return handle.get_tensor(key)
+    dim, start, stop = piece
+    if isinstance(handle, _TorchShard):
+        return handle.tensors[key].narrow(dim, start, stop - start).contiguous()
+    index = (slice(None),) * dim + (slice(start, stop),)
+    return handle.get_slice(key)[index]
 
 
 class _TorchShard:
@@ -260,9 +325,14 @@ def _provider(registry: Registry, name: str, what: str, where: Path | str) -> tu
 
 
 def load_target(
-    path: str | Path, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None
+    path: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    shard: Shard = SINGLE,
 ) -> Target:
-    """Build the target model of HF directory ``path`` (dispatch on ``config["model_type"]``)."""
+    """Build the target model of HF directory ``path`` (dispatch on ``config["model_type"]``); with a parallel
+    ``shard``, this rank's part of it, read piece by piece."""
     path = Path(path)
     raw = read_config(path)
     module, config_class = _provider(
@@ -271,7 +341,7 @@ def load_target(
     dtype = resolve_dtype(dtype, raw)
     device = torch.device(device or "cpu")
     weights = WeightReader(path, dtype=dtype, device=device)
-    target = module.build(config_class.from_dict(raw), weights, dtype=dtype, device=device)
+    target = module.build(config_class.from_dict(raw), weights, dtype=dtype, device=device, shard=shard)
     target.checkpoint_dir = path
     return target
 
@@ -332,23 +402,26 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-TakeFn = Callable[..., Tensor]  # WeightReader.take: (key, shape, *, dtype) -> Tensor
+TakeFn = Callable[..., Tensor]  # WeightReader.take: (key, shape, *, dtype, part) -> Tensor
 
 
 @torch.no_grad()
-def load_param(param: Tensor, take: TakeFn, key: str) -> None:
-    """Copy checkpoint tensor ``key`` (shape checked against ``param``) into ``param``, in param's dtype."""
-    param.copy_(take(key, tuple(param.shape), dtype=param.dtype))
+def load_param(param: Tensor, take: TakeFn, key: str, part: Part | None = None) -> None:
+    """Copy checkpoint tensor ``key`` (only its ``part`` when given; shape checked against ``param``) into
+    ``param``, in param's dtype."""
+    param.copy_(take(key, tuple(param.shape), dtype=param.dtype, part=part))
 
 
-def checkpoint_tensors(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
-    """Every parameter of ``module`` as ``(checkpoint key, tensor)``: ``prefix + name``, except that a
-    :class:`~tandem.models.linear.MergedLinear` yields views of its weight under its parts' keys (next
-    to it, not under it), so loading is one pass over the module."""
+def checkpoint_tensors(module: torch.nn.Module, prefix: str = "") -> Iterator[tuple[str, Tensor, Part | None]]:
+    """Every parameter of ``module`` as ``(checkpoint key, tensor, part)``: ``prefix + name`` and the part of the
+    stored tensor it holds (a module's ``checkpoint_parts[name]``: a rank's piece of a parallel weight; None: the
+    whole), except that a module with ``part_tensors`` (:class:`~tandem.models.linear.MergedLinear`) yields views
+    of its parameters under its parts' keys (next to it, not under it), so loading is one pass over the module."""
+    parts = getattr(module, "checkpoint_parts", {})
     for name, param in module.named_parameters(recurse=False):
-        yield prefix + name, param
+        yield prefix + name, param, parts.get(name)
     for name, child in module.named_children():
-        if isinstance(child, MergedLinear):
+        if hasattr(child, "part_tensors"):
             yield from child.part_tensors(prefix)
         else:
             yield from checkpoint_tensors(child, f"{prefix}{name}.")
@@ -356,6 +429,6 @@ def checkpoint_tensors(module: torch.nn.Module, prefix: str = "") -> Iterator[tu
 
 def load_module(module: torch.nn.Module, take: TakeFn, prefix: str) -> None:
     """Fill every parameter of ``module`` from its checkpoint key under ``prefix``
-    (:func:`checkpoint_tensors`: ``prefix + name``, merged weights by part)."""
-    for key, tensor in checkpoint_tensors(module, prefix):
-        load_param(tensor, take, key)
+    (:func:`checkpoint_tensors`: ``prefix + name``, merged weights by part, a rank's piece of a parallel weight)."""
+    for key, tensor, part in checkpoint_tensors(module, prefix):
+        load_param(tensor, take, key, part)

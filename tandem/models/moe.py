@@ -16,13 +16,22 @@ The experts run one of two ways, equal up to the order of the sums, chosen in on
 gathering and per-expert calls (a step of a few tokens), and in a graph where the dispatch would
 read the routing on the host; else dispatched, each expert on the tokens that chose it.
 
-Every ``load`` method takes ``take(key, shape, *, dtype) -> Tensor`` (``WeightReader.take``, which
-raises an error naming the key and both shapes) and the module's key prefix.
+Over ``shard.size`` ranks (:class:`~tandem.models.parallel.Shard`; SGLang's EP MoE) the router is
+replicated, so every rank, holding every token's hidden state, routes every token alike. The routed
+experts are expert-parallel (``shard.expert_parallel``: rank r holds experts ``Shard.part(E)`` whole and
+adds their weighted outputs for every token; the others' choices weigh 0 there) or else each expert is
+split by its intermediate columns; the shared experts are split by columns. Each rank's output is then
+a partial sum, and :class:`DeepseekMoE` all-reduces the routed and the shared parts together, once.
+
+Every ``load`` method takes ``take(key, shape, *, dtype, part) -> Tensor`` (``WeightReader.take``, which
+raises an error naming the key and both shapes, and reads only a rank's ``part`` of a sharded weight) and
+the module's key prefix.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +41,17 @@ from tandem.core.transfer import int64_tensor
 from tandem.models.config import DeepseekV3Config
 from tandem.models.layers import Layer
 from tandem.models.linear import linear
-from tandem.models.loading import TakeFn, load_module, load_param
+from tandem.models.loading import Part, TakeFn, load_param
 from tandem.models.mlp import GatedMLP
+from tandem.models.parallel import SINGLE, Shard
+
+
+def column_parts(shard: Shard) -> tuple[Part | None, Part | None]:
+    """This rank's pieces of a SwiGLU split by its intermediate columns: ``(rows of gate/up [I, H], columns of
+    down [H, I])``; ``(None, None)`` (the whole weights) on one rank."""
+    if not shard.parallel:
+        return None, None
+    return Part(0, shard.rank, shard.size), Part(1, shard.rank, shard.size)
 
 
 class GroupLimitedRouter(Layer):
@@ -131,6 +149,10 @@ class RoutedExperts(Layer):
     units come in E groups: ``gate_up [E * 2I, H]`` holds expert e's gate rows, then its up rows,
     from row ``2I * e``; ``down [H, E * I]`` holds its columns from column ``I * e``.
 
+    Over ``shard.size`` ranks, E and I are this rank's: experts ``first_expert .. first_expert + E - 1`` of
+    ``total_experts`` whole (``shard.expert_parallel``), else all of them, each its ``1 / size`` of the
+    intermediate columns. The output is then this rank's partial sum.
+
     Two ways to run them, equal up to the order of the sums:
 
     - dense (:meth:`dense`), on the CPU while every expert's work on every token costs little more
@@ -142,8 +164,13 @@ class RoutedExperts(Layer):
       ``index_add_``. On the CPU, where reading the routing is free, the host sorts the pairs.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, **factory):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, *, shard: Shard = SINGLE, **factory):
         super().__init__()
+        self.shard, self.total_experts = shard, num_experts
+        if shard.expert_parallel:
+            self.first_expert, num_experts = shard.part(num_experts, "n_routed_experts")
+        else:
+            self.first_expert, (_, intermediate_size) = 0, shard.part(intermediate_size, "moe_intermediate_size")
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.gate_up = nn.Parameter(torch.empty(num_experts * 2 * intermediate_size, hidden_size, **factory))
         self.down = nn.Parameter(torch.empty(hidden_size, num_experts * intermediate_size, **factory))
@@ -151,61 +178,100 @@ class RoutedExperts(Layer):
     narrowable = ("gate_up", "down")  # read only through `linear` (`tandem.models.linear.narrow_exact_weights`)
 
     def forward(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        """``x: [T, H]``, ``weights: [T, k] float32``, ``experts: [T, k] int64`` -> ``[T, H]`` in x's dtype."""
+        """``x: [T, H]``, ``weights: [T, k] float32``, ``experts: [T, k] int64`` (ids among all ``total_experts``)
+        -> ``[T, H]`` in x's dtype."""
         run = self.dense if self.runs_dense(x, experts) else self.dispatch
         return run(x, weights, experts)
 
     def runs_dense(self, x: Tensor, experts: Tensor) -> bool:
-        """Whether :meth:`forward` runs every expert on every token: on the CPU, while the work that adds
-        to the dispatch's (``T * (E - k)`` unchosen experts' SwiGLUs) stays under :data:`DENSE_MAX_EXTRA_FLOPS`;
-        and in graph mode wherever the dispatch would read the routing on the host (a graph holds no host
-        reads): the CPU dispatch (``.tolist()``) under ``torch.compile``, and a CUDA graph's capture without
-        ``F.grouped_mm`` (whose loop reads the group ends)."""
+        """Whether :meth:`forward` runs every expert on every token: on the CPU, while the work that adds to
+        the dispatch's (``T * (E - k * E / total_experts)`` unchosen experts' SwiGLUs, on average) stays under
+        :data:`DENSE_MAX_EXTRA_FLOPS`; and in graph mode wherever the dispatch would read the routing on the
+        host (a graph holds no host reads): the CPU dispatch (``.tolist()``) under ``torch.compile``, and a
+        CUDA graph's capture without ``F.grouped_mm`` (whose loop reads the group ends)."""
         if not x.is_cpu:
             return x.is_cuda and torch.cuda.is_current_stream_capturing() and not has_grouped_mm(x, self.gate_up)
         if torch.compiler.is_compiling():
             return True
         tokens, top_k = experts.shape
-        extra_flops = tokens * (self.num_experts - top_k) * 6 * self.intermediate_size * x.shape[1]
+        chosen = top_k * self.num_experts / self.total_experts  # of this rank's experts, per token on average
+        extra_flops = tokens * (self.num_experts - chosen) * 6 * self.intermediate_size * x.shape[1]
         return extra_flops <= DENSE_MAX_EXTRA_FLOPS
+
+    @property
+    def holds_some(self) -> bool:
+        """Whether this rank holds only some of the experts (expert parallel over several ranks)."""
+        return self.num_experts < self.total_experts
 
     def dense(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """:meth:`forward` running every expert on every token."""
         tokens, num_experts, inner = x.shape[0], self.num_experts, self.intermediate_size
         gate, up = linear(x, self.gate_up).view(tokens, num_experts, 2, inner).unbind(2)  # [T, E, I] each
-        routing = weights.new_zeros(tokens, num_experts).scatter_(1, experts, weights)  # [T, E], 0: not chosen
+        routing = weights.new_zeros(tokens, self.total_experts).scatter_(1, experts, weights)  # 0: not chosen
+        if self.holds_some:
+            routing = routing[:, self.first_expert : self.first_expert + num_experts]  # [T, E] this rank's
         scaled = (F.silu(gate) * up).mul_(routing[..., None]).to(x.dtype)
         return linear(scaled.view(tokens, num_experts * inner), self.down)
 
     def dispatch(self, x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         """:meth:`forward` running each expert on the tokens that chose it."""
-        top_k, num_experts, inner = experts.shape[1], self.num_experts, self.intermediate_size
-        if x.is_cpu:
-            by_expert: list[list[int]] = [[] for _ in range(num_experts)]  # (token, choice) pairs grouped by expert
-            for pair, expert in enumerate(experts.flatten().tolist()):
-                by_expert[expert].append(pair)
-            pairs = list(itertools.chain.from_iterable(by_expert))
-            order, tokens = int64_tensor(pairs), int64_tensor([pair // top_k for pair in pairs])
-            ends = list(itertools.accumulate(map(len, by_expert)))
-        else:
-            sorted_experts, order = experts.flatten().sort(stable=True)
-            tokens = order // top_k
-            expert_ids = torch.arange(num_experts, device=x.device)
-            ends = torch.searchsorted(sorted_experts, expert_ids, right=True).to(torch.int32)
+        num_experts, inner = self.num_experts, self.intermediate_size
+        order, ends, foreign = self.plan_on_host(experts) if x.is_cpu else self.plan_on_device(experts)
+        tokens = order // experts.shape[1]
         gate_up = self.gate_up.view(num_experts, 2 * inner, -1).transpose(1, 2)  # [E, H, 2I]
         down = self.down.view(-1, num_experts, inner).permute(1, 2, 0)  # [E, I, H]
         gate, up = grouped_matmul(x[tokens], gate_up, ends).chunk(2, dim=-1)
         routed = grouped_matmul(F.silu(gate) * up, down, ends) * weights.flatten()[order, None]
+        if foreign is not None:  # rows past the last group: no matmul wrote them
+            routed = routed.masked_fill(foreign[:, None], 0.0)
         return torch.zeros_like(x).index_add_(0, tokens, routed.to(x.dtype))
 
+    def plan_on_host(self, experts: Tensor) -> tuple[Tensor, list[int], None]:
+        """The dispatch's order read on the host (free on the CPU): ``(order [P] int64, ends [E], None)``,
+        ``order`` the flat (token, choice) pairs of this rank's experts grouped by expert, ``ends`` one past
+        each group's last pair."""
+        by_expert: list[list[int]] = [[] for _ in range(self.num_experts)]  # (token, choice) pairs by expert
+        first, count = self.first_expert, self.num_experts
+        for pair, expert in enumerate(experts.flatten().tolist()):
+            if 0 <= expert - first < count:
+                by_expert[expert - first].append(pair)
+        order = int64_tensor(list(itertools.chain.from_iterable(by_expert)), experts.device)
+        return order, list(itertools.accumulate(map(len, by_expert))), None
+
+    def plan_on_device(self, experts: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The dispatch's order without a device read: ``(order [T * k] int64, ends [E] int32, foreign)``, every
+        pair sorted by expert; with some of the experts, the others' pairs sort last, past ``ends[-1]``, and
+        ``foreign [T * k]`` bool marks them (None: every pair is this rank's)."""
+        local = experts.flatten()
+        if self.holds_some:  # another rank's experts become expert `num_experts`, after this rank's
+            local = local - self.first_expert
+            local = local.masked_fill((local < 0) | (local >= self.num_experts), self.num_experts)
+        sorted_experts, order = local.sort(stable=True)
+        expert_ids = torch.arange(self.num_experts, device=experts.device)
+        ends = torch.searchsorted(sorted_experts, expert_ids, right=True).to(torch.int32)
+        return order, ends, sorted_experts == self.num_experts if self.holds_some else None
+
     def load(self, take: TakeFn, prefix: str) -> None:
-        """Read ``{prefix}{e}.{gate,up,down}_proj.weight`` for every expert e (the published layout)."""
+        """Read ``{prefix}{e}.{gate,up,down}_proj.weight`` for this rank's experts e (the published layout),
+        each whole (expert parallel) or its part of the intermediate columns."""
         inner = self.intermediate_size
-        for expert in range(self.num_experts):
-            gate_up = self.gate_up[2 * inner * expert : 2 * inner * (expert + 1)]
-            down = self.down[:, inner * expert : inner * (expert + 1)]
-            for name, param in (("gate_proj", gate_up[:inner]), ("up_proj", gate_up[inner:]), ("down_proj", down)):
-                load_param(param, take, f"{prefix}{expert}.{name}.weight")
+        rows, columns = (None, None) if self.shard.expert_parallel else column_parts(self.shard)
+        for local in range(self.num_experts):
+            gate_up = self.gate_up[2 * inner * local : 2 * inner * (local + 1)]
+            down = self.down[:, inner * local : inner * (local + 1)]
+            key = f"{prefix}{self.first_expert + local}."
+            load_param(gate_up[:inner], take, key + "gate_proj.weight", rows)
+            load_param(gate_up[inner:], take, key + "up_proj.weight", rows)
+            load_param(down, take, key + "down_proj.weight", columns)
+
+    def foreign_keys(self, prefix: str) -> list[str]:
+        """Regexes (``re.match``) of the checkpoint keys of the experts other ranks hold (``{prefix}{e}.``),
+        which this rank never reads: one, or none when it holds every expert."""
+        if not self.holds_some:
+            return []
+        mine = range(self.first_expert, self.first_expert + self.num_experts)
+        others = "|".join(str(e) for e in range(self.total_experts) if e not in mine)
+        return [rf"{re.escape(prefix)}({others})\."]
 
 
 class DeepseekMoE(Layer):
@@ -215,10 +281,13 @@ class DeepseekMoE(Layer):
         config: reads ``n_routed_experts``, ``num_experts_per_tok``, ``n_group``, ``topk_group``,
             ``norm_topk_prob``, ``routed_scaling_factor``, ``moe_intermediate_size``,
             ``n_shared_experts`` and ``hidden_size``.
+        shard: this rank's place; over several ranks each rank computes its partial sum of the routed and the
+            shared experts' outputs, and one all-reduce sums them (the module docstring).
     """
 
-    def __init__(self, config: DeepseekV3Config, **factory):
+    def __init__(self, config: DeepseekV3Config, *, shard: Shard = SINGLE, **factory):
         super().__init__()
+        self.shard = shard
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.gate = GroupLimitedRouter(
             hidden,
@@ -230,17 +299,23 @@ class DeepseekMoE(Layer):
             config.routed_scaling_factor,
             **factory,
         )
-        self.experts = RoutedExperts(hidden, inter, config.n_routed_experts, **factory)
+        self.experts = RoutedExperts(hidden, inter, config.n_routed_experts, shard=shard, **factory)
         n_shared = config.n_shared_experts
-        self.shared_experts = GatedMLP(hidden, inter * n_shared, **factory) if n_shared else None
+        # This rank's columns of the shared experts, as a smaller SwiGLU: its output is a partial sum, reduced
+        # with the routed experts' (a tensor-parallel GatedMLP would all-reduce on its own).
+        _, shared_inter = shard.part(inter * n_shared, "n_shared_experts * moe_intermediate_size")
+        self.shared_experts = GatedMLP(hidden, shared_inter, **factory) if n_shared else None
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.experts(x, *self.gate(x))
-        return out + self.shared_experts(x) if self.shared_experts is not None else out
+        return self.shard.all_reduce(out + self.shared_experts(x) if self.shared_experts is not None else out)
 
     def load(self, take: TakeFn, prefix: str) -> None:
         """Read ``{prefix}gate.*``, ``{prefix}experts.{e}.*`` and ``{prefix}shared_experts.*``."""
         self.gate.load(take, f"{prefix}gate.")
         self.experts.load(take, f"{prefix}experts.")
         if self.shared_experts is not None:
-            load_module(self.shared_experts, take, f"{prefix}shared_experts.")
+            rows, columns = column_parts(self.shard)
+            for key, param, _ in self.shared_experts.gate_up_proj.part_tensors(f"{prefix}shared_experts."):
+                load_param(param, take, key, rows)
+            load_param(self.shared_experts.down_proj.weight, take, f"{prefix}shared_experts.down_proj.weight", columns)

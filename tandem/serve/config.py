@@ -24,7 +24,8 @@ class ServeConfig:
     Engine (passed to `tandem.LLM`): revision (of a hub model name), num_speculative_tokens,
     max_num_seqs, graph_mode, and the paged KV cache's kv_cache_memory (bytes; None: what max_num_seqs
     rows of the whole context need), block_size and enable_prefix_caching, and max_num_batched_tokens (the
-    tokens one step verifies and prefills at most: longer prompts prefill in chunks); with the suffix draft,
+    tokens one step verifies and prefills at most: longer prompts prefill in chunks), the parallel layout
+    (tensor_parallel_size, data_parallel_size, enable_expert_parallel); with the suffix draft,
     finished requests go into a store of `suffix_store_tokens` tokens (0: none).
 
     Server: `served_model_name` is the model id clients send (None: the model argument). `api_key`:
@@ -49,6 +50,9 @@ class ServeConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = 2048
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     suffix_store_tokens: int = SUFFIX_STORE_TOKENS
     served_model_name: str | None = None
     api_key: str | None = None

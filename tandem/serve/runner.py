@@ -226,7 +226,7 @@ class EngineRunner:
         """Settle `admitted()` of the generations one of whose requests left the engine's waiting queue."""
         if not self._waiting:
             return
-        waiting = {request.request_id for request in self.engine.scheduler.waiting}
+        waiting = self.engine.waiting_ids()
         for generation, request_ids in list(self._waiting.items()):
             if not waiting.issuperset(request_ids):
                 del self._waiting[generation]

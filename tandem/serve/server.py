@@ -43,6 +43,9 @@ def build_app(
         block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        tensor_parallel_size=config.tensor_parallel_size,
+        data_parallel_size=config.data_parallel_size,
+        enable_expert_parallel=config.enable_expert_parallel,
     )
     if isinstance(llm.draft, SuffixDraft) and config.suffix_store_tokens > 0:
         llm.draft.store = SuffixStore(config.suffix_store_tokens, max_depth=llm.draft.max_depth)

@@ -21,7 +21,7 @@ class PoolMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.table = BlockTable(SLOTS, MAX_LEN, BLOCK, BLOCKS)
-        self.pool = BlockPool(self.table)
+        self.pool = BlockPool(self.table, domains=2)  # slots 0, 2 and 1, 3 reuse only each other's blocks
         self.rows: dict[int, list[int]] = {}  # slot -> its tokens (the committed ones)
 
     @rule(tokens=TOKENS, data=st.data())
@@ -31,9 +31,9 @@ class PoolMachine(RuleBasedStateMachine):
             return
         slot = data.draw(st.sampled_from(free))
         reserve = min(len(tokens) + 4, MAX_LEN)
-        if not self.pool.can_assign(tokens, reserve):
+        if not self.pool.can_assign(slot, tokens, reserve):
             return
-        expected = self.pool.match(tokens)
+        expected = self.pool.match(tokens, slot)
         cached = self.pool.assign(slot, tokens)
         assert cached == len(expected) * BLOCK and self.table.rows[slot] == expected
         assert self.table.read_only[slot] == cached
@@ -88,7 +88,7 @@ class PoolMachine(RuleBasedStateMachine):
         for key, block in self.pool.cached.items():
             assert self.pool.key[block] == key
         for slot, tokens in self.rows.items():  # a row's registered blocks hold its tokens' keys
-            keys = block_keys(tokens, BLOCK)
+            keys = block_keys(tokens, BLOCK, self.pool.root(slot))
             for index, block in enumerate(self.table.rows[slot][: len(self.pool.keys[slot])]):
                 if self.pool.key[block] is not None:
                     assert self.pool.key[block] == keys[index]
@@ -116,6 +116,17 @@ def test_a_cached_prefix_is_matched_by_its_whole_chain():
     pool.grow(0, 6)
     pool.register(0, [1, 2, 3, 4, 5], 4)
     pool.release(0)
-    assert len(pool.match([1, 2, 3, 4, 9])) == 2
-    assert pool.match([5, 6, 3, 4]) == []
+    assert len(pool.match([1, 2, 3, 4, 9], 1)) == 2
+    assert pool.match([5, 6, 3, 4], 1) == []
     assert pool.assign(1, [1, 2, 3, 9]) == 2 and table.read_only[1] == 2
+
+
+def test_a_domain_reuses_only_the_blocks_its_own_slots_wrote():
+    """Data-parallel attention: slot s's entries exist only on rank s % domains."""
+    table = BlockTable(4, 16, 2, 17)
+    pool = BlockPool(table, domains=2)
+    pool.assign(0, [1, 2, 3, 4, 5])
+    pool.grow(0, 6)
+    pool.register(0, [1, 2, 3, 4, 5], 4)
+    assert pool.match([1, 2, 3, 4], 1) == [] and pool.match([1, 2, 3, 4], 3) == []
+    assert pool.match([1, 2, 3, 4], 2) == table.rows[0][:2]

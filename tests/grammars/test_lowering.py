@@ -54,16 +54,19 @@ DISJOINT_ONE_OFS = [
                {"type": "object", "allOf": [{"properties": {"t": {"const": 2}}}]}]},
 ]  # fmt: skip
 
-OVERLAPPING_ONE_OFS = [
+OVERLAPPING_ONE_OFS = [  # no proof, and a branch has no complement (`not integer`)
     {"oneOf": [{"required": ["radius"]}, {"properties": {"t": {"type": "integer"}}}]},  # both may hold
     {"oneOf": [{"type": "integer"}, {"type": "number"}]},  # 1 is both
+]
+
+COMPLEMENTED_ONE_OFS = [  # spelled out with complements (test_negation.py), or proven disjoint since
     {"oneOf": [{"properties": {"t": {"const": "a"}}}, {"properties": {"t": {"const": "b"}}}]},  # {} is both
-    {"oneOf": [  # tag required, values differ, but a non-object matches both
+    {"oneOf": [  # tag required, values differ; a non-object matches both, so fails the oneOf
         {"properties": {"t": {"const": "a"}}, "required": ["t"]},
         {"properties": {"t": {"const": "b"}}, "required": ["t"]},
     ]},
-    {"oneOf": [{"const": 1}, {"const": 1.0}]},  # equal numbers
-    {"oneOf": [{"const": [1]}, {"const": [2]}]},  # arrays are not compared: no proof
+    {"oneOf": [{"const": 1}, {"const": 1.0}]},  # equal numbers: each branch with the other's complement, never
+    {"oneOf": [{"const": [1]}, {"const": [2]}]},  # jsonschema finds [1] fails the other branch
 ]  # fmt: skip
 
 OTHER_REWRITES = [  # (schema, what the rewrite leaves)
@@ -106,7 +109,7 @@ OTHER_REWRITES = [  # (schema, what the rewrite leaves)
          {"properties": {"kind": {"const": "b"}, "x": {"minimum": 2}}}]}]}]}),
 ]  # fmt: skip
 
-SCHEMAS = DISJOINT_ONE_OFS + OVERLAPPING_ONE_OFS + [schema for schema, _ in OTHER_REWRITES]
+SCHEMAS = DISJOINT_ONE_OFS + OVERLAPPING_ONE_OFS + COMPLEMENTED_ONE_OFS + [schema for schema, _ in OTHER_REWRITES]
 instances = st.recursive(
     st.none()
     | st.booleans()
@@ -129,6 +132,11 @@ def test_provably_disjoint_one_of_becomes_any_of(schema):
 @pytest.mark.parametrize("schema", OVERLAPPING_ONE_OFS, ids=range(len(OVERLAPPING_ONE_OFS)))
 def test_one_of_without_a_disjointness_proof_stays(schema):
     assert lower(schema) == schema
+
+
+@pytest.mark.parametrize("schema", COMPLEMENTED_ONE_OFS, ids=range(len(COMPLEMENTED_ONE_OFS)))
+def test_overlapping_one_of_with_complements_becomes_any_of(schema):
+    assert '"oneOf"' not in json.dumps(lower(schema))
 
 
 @pytest.mark.parametrize("schema, expected", OTHER_REWRITES, ids=range(len(OTHER_REWRITES)))

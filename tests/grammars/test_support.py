@@ -118,11 +118,13 @@ def test_enum_and_const_with_conflicting_siblings_are_honoured_or_refused(backen
 
 # `not` over object keywords, reduced from MaskBench Github_trivial---o91408 and Handwritten---pnmp10,
 # each with an instance the `not` rules out.
-# (o91408's bare `not: {required}` is now rewritten exactly, lowering.py; `minProperties` keeps it a `not`.)
+# (`not` of `required`, `minProperties`, `anyOf`... is now rewritten exactly (lowering.py `negate`);
+# `propertyNames: {maxLength}` has no complement, so keeps it a `not`.)
 NOT_OVER_OBJECT_KEYWORDS = [
     ({"type": "object", "properties": {"body": {"type": "string"}, "bodyValue": {"type": "string"}},
-      "not": {"required": ["body", "bodyValue"], "minProperties": 1}}, {"body": "a", "bodyValue": "b"}),
-    ({"type": "object", "properties": {"a": {"type": "integer"}}, "not": {"anyOf": [{"required": ["a"]}]}}, {"a": 1}),
+      "not": {"required": ["body", "bodyValue"], "propertyNames": {"maxLength": 9}}}, {"body": "a", "bodyValue": "b"}),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "not": {"anyOf": [{"required": ["a"]}, {"propertyNames": {"maxLength": 0}}]}}, {"a": 1}),
 ]  # fmt: skip
 
 

@@ -162,10 +162,9 @@ def build(
         target.aux_layer_ids = ids
     draft = Eagle3(config, target, dtype=dtype, device="meta").to_empty(device=device)  # weights follow
     prefix = layer_prefix(weights)
-    for name, param in checkpoint_tensors(draft):
-        load_param(
-            param, weights.take, prefix + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
-        )
+    for name, param, part in checkpoint_tensors(draft):
+        key = prefix + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
+        load_param(param, weights.take, key, part)
     mapped = torch.arange(draft.draft_vocab_size, device=device)
     if "d2t" in weights:
         mapped += weights.take("d2t", (draft.draft_vocab_size,), dtype=torch.int64).to(device)

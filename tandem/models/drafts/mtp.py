@@ -17,6 +17,10 @@ checkpoint (draft kind ``"mtp"``) or in a separate NextN checkpoint (architectur
 ``DeepseekV3ForCausalLMNextN``, same key names, as SGLang's export writes it). Only the first
 MTP layer is used. The layer's ``embed_tokens`` and ``shared_head.head`` duplicate the target's
 embedding and head, which the draft shares instead (like vLLM and SGLang).
+
+Over several ranks (:class:`~tandem.models.parallel.Shard`) the draft runs whole on rank 0 only, its layer
+unsplit whatever the target's layout: DeepSeek-V3's embedding and LM head are whole on every rank, and the
+target's hidden states are every token's there (data-parallel attention all-reduces them).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from tandem.models.drafts.chained import propose_chained
 from tandem.models.linear import Linear
 from tandem.models.loading import CheckpointError, TakeFn, WeightReader, load_param
 from tandem.models.norm import RMSNorm
+from tandem.models.parallel import SINGLE
 from tandem.models.rope import RotaryEmbedding
 
 
@@ -69,7 +74,8 @@ class MultiTokenPredictor(nn.Module):
         self.enorm = RMSNorm(hidden, eps=eps, **factory)
         self.hnorm = RMSNorm(hidden, eps=eps, **factory)
         self.eh_proj = Linear(2 * hidden, hidden, bias=False, **factory)
-        self.layer = DecoderLayer(config, self.layer_id, self.rope.softmax_scale_factor, **factory)
+        # Whole, on rank 0 alone: no collective inside, whatever the target's shard.
+        self.layer = DecoderLayer(config, self.layer_id, self.rope.softmax_scale_factor, shard=SINGLE, **factory)
         self.shared_head_norm = RMSNorm(hidden, eps=eps, **factory)
         self._embed, self._lm_head = target.embed, target.lm_head
 

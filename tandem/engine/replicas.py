@@ -1,0 +1,236 @@
+"""Engine replicas behind one front end: data parallelism for a dense target (Llama's ``data_parallel_size``).
+
+Replica 0 is the driver's own engine; each other replica is a process running a whole engine of its own (its
+copy of the target and draft on its own device, ``cuda:<i>``, its scheduler, KV cache and grammar compiler), as
+vLLM runs an engine core per data-parallel rank behind one API server. :class:`ReplicatedEngine` answers what
+``tandem.LLM`` and the server ask of an :class:`~tandem.engine.Engine`: a new request goes to the replica with
+the fewest unfinished requests (checked here first, so a bad request fails at once as on one engine); a step
+steps the driver's replica while the others step on their own, and returns every replica's stream deltas that
+have arrived. The replicas share nothing, so a request decodes exactly as one engine would decode it.
+
+Messages go over ``multiprocessing`` pipes (requests in; deltas, finished outputs and KV counters out); the
+replica processes are built by a picklable ``build()`` that returns an object with an ``engine`` (``tandem.LLM``
+passes its own class with the same settings). A replica that dies ends the front end with
+:class:`~tandem.engine.workers.WorkerError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from tandem.decoding.params import SamplingParams
+from tandem.engine.engine import Engine
+from tandem.engine.kv_blocks import KVStats
+from tandem.engine.output import RequestOutput, StreamDelta
+from tandem.engine.request import validate
+from tandem.engine.workers import WorkerError
+
+IDLE_WAIT_S = 0.05  # how long a step with nothing to run locally waits for the other replicas' messages
+
+
+@dataclasses.dataclass
+class _Remote:
+    """The driver's view of one replica process."""
+
+    index: int
+    process: Any
+    conn: Connection
+    unfinished: set[str] = dataclasses.field(default_factory=set)
+    waiting: set[str] = dataclasses.field(default_factory=set)
+    stats: KVStats | None = None
+
+
+class ReplicatedEngine:
+    """Replica 0 (``local``, this process's engine) and replica processes started from ``builds``, behind the
+    :class:`~tandem.engine.Engine` methods the front ends call."""
+
+    def __init__(self, local: Engine, builds: list[Callable[[], Any]]) -> None:
+        self.local = local
+        context = mp.get_context("spawn")
+        self.remotes: list[_Remote] = []
+        for index, build in enumerate(builds, 1):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_replica_main, args=(theirs, build), name=f"tandem-replica{index}")
+            process.start()
+            theirs.close()  # the child's end lives in the child: its exit then ends our reads (EOFError)
+            self.remotes.append(_Remote(index, process, ours))
+        for remote in self.remotes:
+            self._receive(remote, until="ready")
+        self._ids = itertools.count()
+        self.assigned = [0] * self.num_replicas  # requests each replica was given
+        self._owner: dict[str, _Remote] = {}
+        self._finished: dict[str, RequestOutput] = {}
+        self._deltas: list[StreamDelta] = []
+        self.closed = False
+
+    # ---------------------------------------------------------------- what the front ends read
+    @property
+    def config(self):
+        return self.local.config
+
+    @property
+    def k(self) -> int:
+        return self.local.k
+
+    @property
+    def num_replicas(self) -> int:
+        return 1 + len(self.remotes)
+
+    def compile_grammar(self, params: SamplingParams):
+        return self.local.compile_grammar(params)
+
+    def waiting_ids(self) -> set[str]:
+        return self.local.waiting_ids().union(*(r.waiting for r in self.remotes))
+
+    def kv_stats(self) -> KVStats:
+        """Every replica's counters summed (the others' as of their last step)."""
+        stats = [self.local.kv_stats(), *(r.stats for r in self.remotes if r.stats is not None)]
+        return KVStats(*(sum(values) for values in zip(*(dataclasses.astuple(s) for s in stats))))
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request on the least loaded replica; raises as :meth:`Engine.add_request` does."""
+        request_id = request_id or f"req-dp{next(self._ids)}"
+        loads = [len(self.local.scheduler.waiting) + len(self.local.scheduler.running)]
+        loads += [len(r.unfinished) for r in self.remotes]
+        replica = loads.index(min(loads))
+        if replica == 0:
+            request_id = self.local.add_request(prompt, params, request_id)
+            self.assigned[0] += 1
+            return request_id
+        local = self.local
+        vocab_size = local.target.vocab_size
+        validate(prompt, params, max_model_len=local.config.max_model_len, k=local.k, vocab_size=vocab_size)
+        local.compile_grammar(params)  # a malformed grammar fails here, as on one engine
+        schema = params.json_schema
+        if isinstance(schema, type):  # a pydantic model class: its schema travels, not the class
+            params = dataclasses.replace(params, json_schema=schema.model_json_schema())
+        remote = self.remotes[replica - 1]
+        self._send(remote, ("add", list(prompt), params, request_id))
+        remote.unfinished.add(request_id)
+        self._owner[request_id] = remote
+        self.assigned[replica] += 1
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request; its output (finish reason "abort") is ready for :meth:`pop_finished` on return."""
+        remote = self._owner.get(request_id)
+        if remote is None:
+            self.local.abort(request_id)
+            return
+        if request_id in remote.unfinished:
+            self._send(remote, ("abort", request_id))
+            self._receive(remote, until=request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.local.has_unfinished() or any(r.unfinished for r in self.remotes) or bool(self._deltas)
+
+    def pop_finished(self, request_id: str) -> RequestOutput | None:
+        if request_id not in self._owner:
+            return self.local.pop_finished(request_id)
+        output = self._finished.pop(request_id, None)
+        if output is not None:
+            del self._owner[request_id]
+        return output
+
+    def step(self) -> list[StreamDelta]:
+        """The driver's replica's step, and what the other replicas sent since the last one."""
+        deltas = self.local.step() if self.local.has_unfinished() else []
+        busy = [r for r in self.remotes if r.unfinished]
+        if busy:
+            for conn in wait([r.conn for r in busy], timeout=0 if deltas else IDLE_WAIT_S):
+                remote = next(r for r in busy if r.conn is conn)
+                while remote.conn.poll():
+                    self._handle(remote, self._recv(remote))
+        deltas += self._deltas
+        self._deltas = []
+        return deltas
+
+    def close(self) -> None:
+        """Stop the replica processes. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for remote in self.remotes:
+            if remote.process.is_alive():
+                try:
+                    remote.conn.send(("stop",))
+                except OSError:
+                    pass
+            remote.process.join(timeout=10)
+            if remote.process.is_alive():
+                remote.process.terminate()
+
+    # ---------------------------------------------------------------- messages
+    def _send(self, remote: _Remote, message: tuple) -> None:
+        try:
+            remote.conn.send(message)
+        except OSError as error:
+            raise self._lost(remote) from error
+
+    def _recv(self, remote: _Remote) -> tuple:
+        try:
+            message = remote.conn.recv()
+        except (EOFError, OSError) as error:
+            raise self._lost(remote) from error
+        if message[0] == "failed":
+            self.close()
+            raise WorkerError(f"replica {remote.index} failed:\n{message[1]}")
+        return message
+
+    def _receive(self, remote: _Remote, until: str) -> None:
+        """Handle ``remote``'s messages until one names ``until`` ("ready", or an aborted request's id)."""
+        while True:
+            message = self._recv(remote)
+            if message[0] == "ready" and until == "ready":
+                return
+            self._handle(remote, message)
+            if until in message[2] or until not in remote.unfinished:
+                return
+
+    def _handle(self, remote: _Remote, message: tuple) -> None:
+        """A replica's step: its deltas, the outputs of the requests that finished, its waiting ids and counters."""
+        _, deltas, finished, remote.waiting, remote.stats = message
+        self._deltas += deltas
+        self._finished.update(finished)
+        remote.unfinished -= finished.keys()
+
+    def _lost(self, remote: _Remote) -> WorkerError:
+        remote.process.join(timeout=1)
+        self.close()
+        return WorkerError(f"replica {remote.index} exited with code {remote.process.exitcode}")
+
+
+def _replica_main(conn: Connection, build: Callable[[], Any]) -> None:
+    """A replica process: build its engine, then apply requests and step until told to stop."""
+    try:
+        engine = build().engine
+        conn.send(("ready",))
+        while True:
+            finished: dict[str, RequestOutput] = {}
+            while conn.poll(0 if engine.has_unfinished() or finished else None):  # blocks only when idle
+                command = conn.recv()
+                if command[0] == "stop":
+                    return
+                if command[0] == "add":
+                    engine.add_request(command[1], command[2], command[3])
+                else:  # abort: the output goes back at once (the driver waits for it), unless it went already
+                    engine.abort(command[1])
+                    output = engine.pop_finished(command[1])
+                    if output is not None:
+                        finished[command[1]] = output
+            deltas = engine.step() if engine.has_unfinished() else []
+            for delta in deltas:
+                if delta.finish_reason is not None:
+                    finished[delta.request_id] = engine.pop_finished(delta.request_id)
+            if deltas or finished:
+                conn.send(("step", deltas, finished, engine.waiting_ids(), engine.kv_stats()))
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))

@@ -1,0 +1,472 @@
+"""One engine over several processes: the driver keeps the engine, worker ranks run the forwards it sends them.
+
+The split is vLLM's executor's. The driver (rank 0, the process that built ``tandem.LLM`` or serves HTTP) keeps the
+scheduler, the grammar walks, acceptance, the commits and the draft; it holds rank 0's shard of the target. Every
+target forward it runs is first described to the worker ranks (:meth:`Workers.forward`): the batch's rows on the
+host, the cache's lengths and block table, what to return; its token ids go by a broadcast on the device group
+(NCCL on CUDA, gloo on the CPU), so the driver reads nothing back. Each rank then runs the same provider forward
+on its own shard and its own KV cache (SPMD); the collectives inside the model (``tandem.models.parallel``) line
+the ranks up, and the logits every rank ends with are the whole ``[N, V]``. Only the driver decides anything
+(acceptance, sampling, the grammar), and the workers hold no request state: the tokens it commits reach them as
+the next forward's input, so no rank can drift.
+
+The draft runs whole on the driver: its proposal chains under the grammar, whose matchers live there, one
+one-layer pass per position; spread over the ranks it would cost a round of messages per chained position for
+a model a fraction of the target's size.
+
+Processes: :meth:`Workers.start` spawns ``world_size - 1`` workers with torch.multiprocessing (or, under
+``torchrun``, where every rank is started for it, joins the group the launcher describes: rank 0 runs the
+program, the others call :func:`follow`). Control messages are pickled over a gloo group of their own.
+Failure: a collective that waits past ``ParallelConfig.timeout_s`` or a rank that dies ends the engine with
+:class:`WorkerError` naming the rank (its exit code, or the traceback it sent).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import itertools
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tandem.models.base import BlockTable, ForwardBatch, KVCache, RowSpans, TargetOutput
+from tandem.models.loading import TARGET_MODULES
+from tandem.models.parallel import Shard
+
+
+class WorkerError(RuntimeError):
+    """A worker rank died, failed or stopped answering; the engine cannot go on."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes run the target, and how it is split over them.
+
+    Llama 3: ``tensor_parallel_size`` ranks split heads, MLP columns and the vocabulary. DeepSeek-V3:
+    ``data_parallel_size`` ranks run attention data-parallel (each its rows) with dense layers and shared experts
+    split by columns, and routed experts whole per rank when ``enable_expert_parallel`` (else split by columns).
+    """
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    timeout_s: float = 120.0  # a collective waiting longer than this ends the engine
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def check(self, config: dict[str, Any], device: torch.device, graph_mode: str = "auto") -> None:
+        """Raise ValueError, before any process starts or weight is read, for a layout tandem cannot run on the
+        model of ``config`` (its ``config.json``) and ``device`` in ``graph_mode``."""
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        model_type = config.get("model_type", "<none>")
+        if tp < 1 or dp < 1:
+            raise ValueError(f"tensor_parallel_size {tp} and data_parallel_size {dp} must be at least 1")
+        if self.timeout_s <= 0:
+            raise ValueError(f"ParallelConfig.timeout_s = {self.timeout_s} must be positive")
+        if model_type == "llama" and dp > 1:
+            raise ValueError(
+                f"data_parallel_size {dp} for a Llama model means engine replicas (tandem.engine.replicas), not "
+                "ranks of one engine"
+            )
+        if model_type == "deepseek_v3" and tp > 1:
+            raise ValueError(
+                f"tensor_parallel_size {tp} for DeepSeek-V3: tandem runs its MLA attention data-parallel, as the "
+                "peers serve it: use data_parallel_size (with enable_expert_parallel for whole experts per rank)"
+            )
+        if model_type == "deepseek_v3" and dp > 1 and graph_mode == "compiled":
+            raise ValueError(
+                "graph_mode='compiled' with data-parallel attention: each rank attends the rows of its slots, which "
+                "change every step, and a captured layout cannot follow them yet; use graph_mode='eager' or 'auto'"
+            )
+        if model_type not in ("llama", "deepseek_v3") and self.world_size > 1:
+            raise ValueError(f"model_type {model_type!r} has no parallel layout in tandem")
+        if self.enable_expert_parallel and model_type != "deepseek_v3":
+            raise ValueError(f"enable_expert_parallel needs a mixture-of-experts model, not {model_type!r}")
+        if self.world_size > 1:  # the provider's own refusals of the sizes its layout splits
+            module, config_class = TARGET_MODULES[model_type]
+            importlib.import_module(module).check_shard(config_class.from_dict(config), self.shard(0, model_type))
+        available = torch.cuda.device_count() if device.type == "cuda" else os.cpu_count() or 1
+        if self.world_size > available:
+            what = "GPUs" if device.type == "cuda" else "CPU cores"
+            raise ValueError(f"{self.world_size} ranks (tp {tp} x dp {dp}) but this machine has {available} {what}")
+
+    def check_launch(self) -> None:
+        """Under ``torchrun``: raise ValueError when it started another number of ranks than the layout has."""
+        if int(os.environ["WORLD_SIZE"]) != self.world_size:
+            raise ValueError(
+                f"torchrun started {os.environ['WORLD_SIZE']} ranks, but tensor_parallel_size "
+                f"{self.tensor_parallel_size} x data_parallel_size {self.data_parallel_size} = {self.world_size}"
+            )
+
+    def shard(self, rank: int, model_type: str) -> Shard:
+        """Rank ``rank``'s place in the model's layout (over the default process group)."""
+        if model_type == "deepseek_v3":
+            return Shard(
+                rank,
+                self.world_size,
+                data_parallel_attention=self.world_size > 1,
+                expert_parallel=self.enable_expert_parallel,
+            )
+        return Shard(rank, self.world_size)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a worker needs to build a cache that mirrors the driver's: the block table's geometry and, in graph
+    mode, the graph runner's widths and batch buckets (None: eager)."""
+
+    num_slots: int
+    max_len: int
+    block_size: int
+    num_blocks: int
+    scratch_block: int
+    widths: tuple[int, ...] | None = None
+    capture_sizes: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class _Load:
+    """Engine ``engine``'s target: each rank builds its shard of the checkpoint at ``path``."""
+
+    engine: int
+    path: Path
+    model_type: str
+    dtype: torch.dtype | None
+    narrow: bool  # store bfloat16-exact weights narrower (the CPU float32 fast path)
+
+
+@dataclass(frozen=True)
+class _Mirror:
+    """Engine ``engine``'s cache (and graph runner), laid out as the driver's."""
+
+    engine: int
+    layout: CacheLayout
+
+
+@dataclass(frozen=True)
+class _Release:
+    """Engine ``engine`` closed: its target and cache go."""
+
+    engine: int
+
+
+@dataclass(frozen=True)
+class _Forward:
+    """A target forward of engine ``engine``: the rows (their ids follow by broadcast), the cache state the driver
+    had before it."""
+
+    engine: int
+    spans: RowSpans
+    num_logits: int | None  # logits indices follow by broadcast (None: every token)
+    lengths: list[int]
+    table: tuple[list[list[int]], list[int]] | None  # the block table's rows and read-only prefixes, when changed
+    return_hidden: bool
+    return_aux: bool
+
+
+def launched() -> bool:
+    """Whether a launcher (``torchrun``) started this process as one rank of a group."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _control_group() -> dist.ProcessGroup:
+    """The gloo group control messages go over. Its timeout is long: a worker waits on it for the driver's next
+    message however long the engine idles; a rank that dies still breaks it at once, and one that hangs is
+    caught by the next forward's broadcast on the default group (``ParallelConfig.timeout_s``)."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device of ``rank`` on its node: ``cuda:<local rank>`` on GPUs, the CPU otherwise."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+
+
+class _Ranks:
+    """The worker processes and the process group of this driver process, shared by its parallel engines (the
+    bench holds several at once); the last engine to close shuts them down."""
+
+    running: _Ranks | None = None
+
+    def __init__(self, parallel: ParallelConfig, device: torch.device, processes, errors) -> None:
+        self.parallel, self.device = parallel, device
+        self.processes, self.errors = processes, errors
+        self.control = _control_group()
+        self.engines = itertools.count()
+        self.users = 0
+        self.closed = False
+
+    @classmethod
+    def get(cls, parallel: ParallelConfig, device: torch.device) -> _Ranks:
+        """The running ranks of this layout, else new ones: spawned workers, or ``torchrun``'s group joined."""
+        running = cls.running
+        if running is not None and not running.closed:
+            if (running.parallel, running.device) != (parallel, device):
+                raise ValueError(
+                    f"this process runs {running.parallel} on {running.device} already: close() those LLMs first"
+                )
+            return running
+        timeout = datetime.timedelta(seconds=parallel.timeout_s)
+        processes, errors = [], None
+        if launched():  # torchrun started every rank
+            parallel.check_launch()
+            dist.init_process_group(_backend(device), timeout=timeout)
+        else:
+            context = mp.get_context("spawn")
+            errors = context.SimpleQueue()
+            address = f"tcp://127.0.0.1:{_free_port()}"
+            processes = [
+                context.Process(
+                    target=_spawned_worker,
+                    args=(rank, parallel, device, address, errors),
+                    name=f"tandem-rank{rank}",
+                    daemon=True,
+                )
+                for rank in range(1, parallel.world_size)
+            ]
+            for process in processes:
+                process.start()
+            dist.init_process_group(
+                _backend(device), init_method=address, rank=0, world_size=parallel.world_size, timeout=timeout
+            )
+        cls.running = cls(parallel, device, processes, errors)
+        return cls.running
+
+    def send(self, message: Any) -> None:
+        self.guarded(dist.broadcast_object_list, [message], src=0, group=self.control)
+
+    def guarded(self, run, *args, **kwargs):
+        """``run(*args, **kwargs)``, its distributed failures turned into :class:`WorkerError` naming the rank."""
+        if self.closed:
+            raise WorkerError("the worker ranks were shut down")
+        try:
+            return run(*args, **kwargs)
+        except (RuntimeError, dist.DistBackendError) as error:
+            raise WorkerError(self._diagnose(error)) from error
+
+    def _diagnose(self, error: BaseException) -> str:
+        """Which rank failed and how: the traceback it sent, its exit code, or the collective's timeout."""
+        for process in self.processes:
+            process.join(timeout=1)
+        reports = []
+        while self.errors is not None and not self.errors.empty():
+            rank, trace = self.errors.get()
+            reports.append(f"rank {rank} failed:\n{trace}")
+        dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.processes, 1) if not p.is_alive()]
+        self.shutdown()
+        if reports or dead:
+            return "; ".join(dead + reports)
+        return (
+            f"a collective failed or waited past timeout_s={self.parallel.timeout_s} s with every rank alive "
+            f"({error}); a rank may hang"
+        )
+
+    def shutdown(self) -> None:
+        """Stop the workers (they leave their loop), wait for them and end the process group. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if all(p.is_alive() for p in self.processes):
+                dist.broadcast_object_list([None], src=0, group=self.control)
+        except RuntimeError:
+            pass  # a worker is gone already; the terminate below ends the rest
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Workers:
+    """One engine's target on the worker ranks (see the module docstring): each rank loads its shard, mirrors
+    the driver's cache and runs the forwards :meth:`forward` describes. Build it with :meth:`start`."""
+
+    def __init__(self, ranks: _Ranks, model_type: str) -> None:
+        self.ranks, self.id = ranks, next(ranks.engines)
+        self.shard = ranks.parallel.shard(0, model_type)  # the driver's
+        self._cache: KVCache | None = None
+        self._table_version = -1
+        self.closed = False
+
+    @classmethod
+    def start(
+        cls,
+        parallel: ParallelConfig,
+        config: dict[str, Any],
+        device: torch.device | str,
+        path: Path,
+        dtype: torch.dtype | None,
+        narrow: bool,
+    ) -> Workers:
+        """Have every worker rank load its shard of the target at ``path`` (``config``: its ``config.json``;
+        ``narrow``: store bfloat16-exact weights narrower, as the driver does), starting the ranks first unless
+        this process runs them already (``parallel`` checked: :meth:`ParallelConfig.check`). The driver then loads
+        its own shard, :attr:`shard`."""
+        device = torch.device(device)
+        ranks = _Ranks.get(parallel, device)
+        workers = cls(ranks, config["model_type"])
+        ranks.send(_Load(workers.id, Path(path), config["model_type"], dtype, narrow))
+        ranks.users += 1
+        return workers
+
+    @property
+    def processes(self) -> list:
+        """The worker processes this driver spawned (none under ``torchrun``)."""
+        return self.ranks.processes
+
+    def mirror(self, cache: KVCache, layout: CacheLayout) -> None:
+        """Have every worker build a target cache like the driver's ``cache`` (and a graph runner in graph mode)."""
+        self._cache = cache
+        self.ranks.send(_Mirror(self.id, layout))
+
+    def forward(self, batch: ForwardBatch, *, return_hidden: bool, return_aux: bool) -> None:
+        """Send the workers the forward of ``batch`` into their caches, as the driver is about to run it."""
+        table = self._cache.table
+        rows = None
+        if table.version != self._table_version:
+            rows, self._table_version = (table.rows, table.read_only), table.version
+        num_logits = None if batch.logits_indices is None else len(batch.logits_indices)
+        lengths = list(self._cache.lengths)
+        self.ranks.send(_Forward(self.id, batch.spans, num_logits, lengths, rows, return_hidden, return_aux))
+        self.ranks.guarded(dist.broadcast, batch.input_ids, src=0)
+        if batch.logits_indices is not None:
+            self.ranks.guarded(dist.broadcast, batch.logits_indices, src=0)
+
+    def guard(self, run, *args, **kwargs):
+        """``run(*args, **kwargs)`` (the driver's part of a forward, which takes part in collectives), its
+        distributed failures turned into :class:`WorkerError` naming the rank."""
+        return self.ranks.guarded(run, *args, **kwargs)
+
+    def close(self) -> None:
+        """Free this target on the workers; the last engine of the process stops them. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.ranks.users -= 1
+        if self.ranks.users > 0 and not self.ranks.closed:
+            try:
+                self.ranks.send(_Release(self.id))
+                return
+            except WorkerError:
+                pass
+        self.ranks.shutdown()
+
+
+# -------------------------------------------------------------------- the worker side
+def _spawned_worker(rank, parallel, device, address, errors) -> None:
+    """A spawned worker's process: join the group, then :func:`follow` until the driver stops it."""
+    try:
+        timeout = datetime.timedelta(seconds=parallel.timeout_s)
+        dist.init_process_group(
+            _backend(device), init_method=address, rank=rank, world_size=parallel.world_size, timeout=timeout
+        )
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.world_size))
+        follow(parallel, device)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def follow_launcher(parallel: ParallelConfig, device: torch.device | str) -> None:
+    """A rank other than 0 that ``torchrun`` started: join the group its environment describes and
+    :func:`follow` rank 0's engines."""
+    parallel.check_launch()
+    dist.init_process_group(_backend(torch.device(device)), timeout=datetime.timedelta(seconds=parallel.timeout_s))
+    follow(parallel, device)
+
+
+@dataclass
+class _Replica:
+    """A worker's part of one engine: its target shard, its cache and what runs the forwards (the target or a
+    graph runner over it)."""
+
+    target: Any
+    cache: KVCache | None = None
+    model: Any = None
+
+
+def follow(parallel: ParallelConfig, device: torch.device | str) -> None:
+    """A worker rank's loop (the process group is up): load each engine's shard, mirror its cache, run each
+    forward the driver describes, until it sends None."""
+    from tandem.engine.graphs import GraphRunner
+    from tandem.models.linear import narrow_exact_weights
+    from tandem.models.loading import load_target
+
+    rank = dist.get_rank()
+    device = _rank_device(torch.device(device), rank)
+    control = _control_group()
+    replicas: dict[int, _Replica] = {}
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=control)
+        message = message[0]
+        if message is None:
+            break
+        if isinstance(message, _Load):
+            shard = parallel.shard(rank, message.model_type)
+            target = load_target(message.path, dtype=message.dtype, device=device, shard=shard)
+            if message.narrow:
+                narrow_exact_weights(target)
+            replicas[message.engine] = _Replica(target)
+        elif isinstance(message, _Mirror):
+            replica, layout = replicas[message.engine], message.layout
+            table = BlockTable(
+                layout.num_slots,
+                layout.max_len,
+                layout.block_size,
+                layout.num_blocks,
+                device,
+                scratch_block=layout.scratch_block,
+            )
+            replica.cache = replica.target.new_cache(layout.num_slots, layout.max_len, table=table)
+            replica.model = replica.target
+            if layout.widths is not None:
+                replica.model = GraphRunner(
+                    replica.target, replica.cache, widths=layout.widths, capture_sizes=layout.capture_sizes
+                )
+        elif isinstance(message, _Release):
+            del replicas[message.engine]
+        else:
+            replica = replicas[message.engine]
+            _run_forward(message, replica.model, replica.cache, device)
+    dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def _run_forward(message: _Forward, model, cache: KVCache, device: torch.device) -> TargetOutput:
+    """Mirror the driver's cache state, receive the ids, run the forward (its collectives meet the driver's)."""
+    cache.lengths = list(message.lengths)
+    if message.table is not None:
+        for slot, (blocks, read_only) in enumerate(zip(*message.table)):
+            cache.table.set_blocks(slot, blocks, read_only)
+    input_ids = torch.empty(sum(message.spans.lengths), dtype=torch.int64, device=device)
+    dist.broadcast(input_ids, src=0)
+    logits_indices = None
+    if message.num_logits is not None:
+        logits_indices = torch.empty(message.num_logits, dtype=torch.int64, device=device)
+        dist.broadcast(logits_indices, src=0)
+    batch = ForwardBatch.build(input_ids, message.spans, logits_indices=logits_indices)
+    return model.forward(batch, cache, return_hidden=message.return_hidden, return_aux=message.return_aux)
