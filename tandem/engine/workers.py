@@ -17,8 +17,9 @@ a model a fraction of the target's size.
 Processes: :meth:`Workers.start` spawns ``world_size - 1`` workers with torch.multiprocessing (or, under
 ``torchrun``, where every rank is started for it, joins the group the launcher describes: rank 0 runs the
 program, the others call :func:`follow`). Control messages are pickled over a gloo group of their own.
-Failure: a collective that waits past ``ParallelConfig.timeout_s`` or a rank that dies ends the engine with
-:class:`WorkerError` naming the rank (its exit code, or the traceback it sent).
+Failure: a rank that dies, or a message or collective that waits past ``ParallelConfig.timeout_s``, ends the
+engine with :class:`WorkerError` naming the rank: its exit code, the traceback it sent, or (a spawned rank that
+stopped answering) how many of the forwards sent it finished, which each spawned rank counts in shared memory.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import datetime
 import importlib
 import itertools
 import os
+import pickle
 import socket
 import traceback
 from dataclasses import dataclass
@@ -95,10 +97,11 @@ class ParallelConfig:
         if self.world_size > 1:  # the provider's own refusals of the sizes its layout splits
             module, config_class = TARGET_MODULES[model_type]
             importlib.import_module(module).check_shard(config_class.from_dict(config), self.shard(0, model_type))
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) if launched() else self.world_size
         available = torch.cuda.device_count() if device.type == "cuda" else os.cpu_count() or 1
-        if self.world_size > available:
+        if here > available:
             what = "GPUs" if device.type == "cuda" else "CPU cores"
-            raise ValueError(f"{self.world_size} ranks (tp {tp} x dp {dp}) but this machine has {available} {what}")
+            raise ValueError(f"{here} ranks on this machine (tp {tp} x dp {dp}) but it has {available} {what}")
 
     def check_launch(self) -> None:
         """Under ``torchrun``: raise ValueError when it started another number of ranks than the layout has."""
@@ -196,6 +199,25 @@ def _control_group() -> dist.ProcessGroup:
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
 
 
+def _broadcast(message: Any, group: dist.ProcessGroup, timeout: datetime.timedelta | None) -> Any:
+    """Rank 0's ``message`` on every rank, pickled over ``group``. Rank 0 waits at most ``timeout`` for the others
+    to take it (a stopped rank would hold a send forever); the others wait as long as the group allows."""
+    source = dist.get_rank() == 0
+    data = bytearray(pickle.dumps(message) if source else b"")
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    _wait(dist.broadcast(size, src=0, group=group, async_op=True), timeout)
+    payload = torch.frombuffer(data, dtype=torch.uint8) if source else torch.empty(int(size), dtype=torch.uint8)
+    _wait(dist.broadcast(payload, src=0, group=group, async_op=True), timeout)
+    return message if source else pickle.loads(payload.numpy().tobytes())
+
+
+def _wait(work: dist.Work, timeout: datetime.timedelta | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
 def _rank_device(device: torch.device, rank: int) -> torch.device:
     """The device of ``rank`` on its node: ``cuda:<local rank>`` on GPUs, the CPU otherwise."""
     if device.type != "cuda":
@@ -209,9 +231,12 @@ class _Ranks:
 
     running: _Ranks | None = None
 
-    def __init__(self, parallel: ParallelConfig, device: torch.device, processes, errors) -> None:
+    def __init__(self, parallel: ParallelConfig, device: torch.device, processes, errors, progress) -> None:
         self.parallel, self.device = parallel, device
         self.processes, self.errors = processes, errors
+        self.progress = progress  # per spawned rank: the forwards it finished (shared memory; None under torchrun)
+        self.timeout = datetime.timedelta(seconds=parallel.timeout_s)
+        self.forwards = 0  # forwards sent (or being sent)
         self.control = _control_group()
         self.engines = itertools.count()
         self.users = 0
@@ -228,18 +253,19 @@ class _Ranks:
                 )
             return running
         timeout = datetime.timedelta(seconds=parallel.timeout_s)
-        processes, errors = [], None
+        processes, errors, progress = [], None, None
         if launched():  # torchrun started every rank
             parallel.check_launch()
             dist.init_process_group(_backend(device), timeout=timeout)
         else:
             context = mp.get_context("spawn")
             errors = context.SimpleQueue()
+            progress = context.Array("q", parallel.world_size, lock=False)
             address = f"tcp://127.0.0.1:{_free_port()}"
             processes = [
                 context.Process(
                     target=_spawned_worker,
-                    args=(rank, parallel, device, address, errors),
+                    args=(rank, parallel, device, address, errors, progress),
                     name=f"tandem-rank{rank}",
                     daemon=True,
                 )
@@ -250,11 +276,11 @@ class _Ranks:
             dist.init_process_group(
                 _backend(device), init_method=address, rank=0, world_size=parallel.world_size, timeout=timeout
             )
-        cls.running = cls(parallel, device, processes, errors)
+        cls.running = cls(parallel, device, processes, errors, progress)
         return cls.running
 
     def send(self, message: Any) -> None:
-        self.guarded(dist.broadcast_object_list, [message], src=0, group=self.control)
+        self.guarded(_broadcast, message, self.control, self.timeout)
 
     def guarded(self, run, *args, **kwargs):
         """``run(*args, **kwargs)``, its distributed failures turned into :class:`WorkerError` naming the rank."""
@@ -266,21 +292,26 @@ class _Ranks:
             raise WorkerError(self._diagnose(error)) from error
 
     def _diagnose(self, error: BaseException) -> str:
-        """Which rank failed and how: the traceback it sent, its exit code, or the collective's timeout."""
+        """Which rank failed and how: the traceback it sent, its exit code, or (a collective that timed out) the
+        spawned ranks that did not finish every forward sent."""
         for process in self.processes:
             process.join(timeout=1)
-        reports = []
+        processes = enumerate(self.processes, 1)
+        failures = [f"rank {r} exited with code {p.exitcode}" for r, p in processes if not p.is_alive()]
         while self.errors is not None and not self.errors.empty():
             rank, trace = self.errors.get()
-            reports.append(f"rank {rank} failed:\n{trace}")
-        dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.processes, 1) if not p.is_alive()]
+            failures.append(f"rank {rank} failed:\n{trace}")
+        if not failures and self.progress is not None:
+            failures = [
+                f"rank {r} stopped answering after {self.progress[r]} of the {self.forwards} forwards sent ({error})"
+                for r in range(1, self.parallel.world_size)
+                if self.progress[r] < self.forwards
+            ]
         self.shutdown()
-        if reports or dead:
-            return "; ".join(dead + reports)
-        return (
-            f"a collective failed or waited past timeout_s={self.parallel.timeout_s} s with every rank alive "
-            f"({error}); a rank may hang"
-        )
+        if failures:
+            return "; ".join(failures)
+        timeout = self.parallel.timeout_s
+        return f"a collective failed or waited past timeout_s={timeout} s with every rank alive ({error})"
 
     def shutdown(self) -> None:
         """Stop the workers (they leave their loop), wait for them and end the process group. Idempotent."""
@@ -288,14 +319,14 @@ class _Ranks:
             return
         self.closed = True
         try:
-            if all(p.is_alive() for p in self.processes):
-                dist.broadcast_object_list([None], src=0, group=self.control)
-        except RuntimeError:
-            pass  # a worker is gone already; the terminate below ends the rest
+            _broadcast(None, self.control, self.timeout)
+            told = True
+        except RuntimeError:  # a worker is gone or stuck: the kill below ends it
+            told = False
         for process in self.processes:
-            process.join(timeout=10)
+            process.join(timeout=10 if told else 0)
             if process.is_alive():
-                process.terminate()
+                process.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -350,6 +381,7 @@ class Workers:
             rows, self._table_version = (table.rows, table.read_only), table.version
         num_logits = None if batch.logits_indices is None else len(batch.logits_indices)
         lengths = list(self._cache.lengths)
+        self.ranks.forwards += 1  # counted before it is sent: a rank that never takes it is behind
         self.ranks.send(_Forward(self.id, batch.spans, num_logits, lengths, rows, return_hidden, return_aux))
         self.ranks.guarded(dist.broadcast, batch.input_ids, src=0)
         if batch.logits_indices is not None:
@@ -376,7 +408,7 @@ class Workers:
 
 
 # -------------------------------------------------------------------- the worker side
-def _spawned_worker(rank, parallel, device, address, errors) -> None:
+def _spawned_worker(rank, parallel, device, address, errors, progress) -> None:
     """A spawned worker's process: join the group, then :func:`follow` until the driver stops it."""
     try:
         timeout = datetime.timedelta(seconds=parallel.timeout_s)
@@ -384,7 +416,7 @@ def _spawned_worker(rank, parallel, device, address, errors) -> None:
             _backend(device), init_method=address, rank=rank, world_size=parallel.world_size, timeout=timeout
         )
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.world_size))
-        follow(parallel, device)
+        follow(parallel, device, progress)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1) from None
@@ -408,9 +440,9 @@ class _Replica:
     model: Any = None
 
 
-def follow(parallel: ParallelConfig, device: torch.device | str) -> None:
+def follow(parallel: ParallelConfig, device: torch.device | str, progress=None) -> None:
     """A worker rank's loop (the process group is up): load each engine's shard, mirror its cache, run each
-    forward the driver describes, until it sends None."""
+    forward the driver describes (counting them in ``progress[rank]``, when given), until it sends None."""
     from tandem.engine.graphs import GraphRunner
     from tandem.models.linear import narrow_exact_weights
     from tandem.models.loading import load_target
@@ -420,9 +452,7 @@ def follow(parallel: ParallelConfig, device: torch.device | str) -> None:
     control = _control_group()
     replicas: dict[int, _Replica] = {}
     while True:
-        message = [None]
-        dist.broadcast_object_list(message, src=0, group=control)
-        message = message[0]
+        message = _broadcast(None, control, None)
         if message is None:
             break
         if isinstance(message, _Load):
@@ -452,6 +482,8 @@ def follow(parallel: ParallelConfig, device: torch.device | str) -> None:
         else:
             replica = replicas[message.engine]
             _run_forward(message, replica.model, replica.cache, device)
+            if progress is not None:
+                progress[rank] += 1
     dist.destroy_process_group()
 
 

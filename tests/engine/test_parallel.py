@@ -116,7 +116,7 @@ def test_a_bad_layout_is_refused_before_loading():
         ParallelConfig(tensor_parallel_size=2).check({"model_type": "deepseek_v3"}, torch.device("cpu"))
     with pytest.raises(ValueError, match="graph_mode='compiled' with data-parallel attention"):
         ParallelConfig(data_parallel_size=2).check({"model_type": "deepseek_v3"}, torch.device("cpu"), "compiled")
-    with pytest.raises(ValueError, match="this machine has"):
+    with pytest.raises(ValueError, match="2 ranks on this machine .* but it has 0 GPUs"):
         ParallelConfig(tensor_parallel_size=2).check(config, torch.device("cuda"))
 
 
@@ -197,3 +197,32 @@ def test_a_replica_that_dies_ends_the_front_end_with_its_name():
         while engine.has_unfinished():
             engine.step()
     llm.close()
+
+
+def test_a_worker_that_hangs_is_named_within_the_timeout():
+    """A stopped worker never answers: the next collective waits out `timeout_s` and the error names the rank."""
+    from transformers import AutoTokenizer
+
+    from tandem.engine import Engine, EngineConfig
+    from tandem.engine.workers import Workers
+    from tandem.models.loading import load_target, read_config
+
+    path = resolve_model("demo-llama")
+    parallel = ParallelConfig(tensor_parallel_size=2, timeout_s=5)
+    workers = Workers.start(parallel, read_config(path), "cpu", path, torch.float32, narrow=False)
+    worker = workers.processes[0]
+    try:
+        target = load_target(path, dtype=torch.float32, shard=workers.shard)
+        config = EngineConfig(max_num_seqs=1, max_model_len=256, graph_mode="eager")
+        engine = Engine(target, None, AutoTokenizer.from_pretrained(path), config, workers)
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=50))
+        engine.step()
+        os.kill(worker.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"rank 1 stopped answering after \d+ of the \d+ forwards sent"):
+            while engine.has_unfinished():
+                engine.step()
+        assert time.monotonic() - start < 30
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        workers.close()
