@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -16,7 +15,7 @@ from tandem.decoding.params import RelaxedAcceptance, SamplingParams
 from tandem.engine import Engine, EngineConfig
 from tandem.engine.output import RequestOutput, StreamDelta
 from tandem.engine.replicas import ReplicatedEngine
-from tandem.engine.workers import ParallelConfig, Workers
+from tandem.engine.workers import ParallelConfig, Workers, devices_here
 from tandem.models import hub
 from tandem.models.parallel import SINGLE
 
@@ -219,9 +218,8 @@ def check_replicas(replicas: int, tensor_parallel_size: int, device: torch.devic
             f"data_parallel_size {replicas} with tensor_parallel_size {tensor_parallel_size} for a Llama model "
             "(tensor-parallel engine replicas) is not built yet: use one of the two"
         )
-    available = torch.cuda.device_count() if device.type == "cuda" else os.cpu_count() or 1
+    available, what = devices_here(device)
     if replicas > available:
-        what = "GPUs" if device.type == "cuda" else "CPU cores"
         raise ValueError(f"data_parallel_size {replicas} engine replicas but this machine has {available} {what}")
 
 

@@ -220,7 +220,7 @@ class Engine:
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queue a request. Nothing is queued when it raises: PromptTooLongError if the prompt cannot fit,
         ValueError for an empty prompt or a token id (prompt or logit bias) outside the vocabulary."""
-        validate(prompt, params, max_model_len=self.config.max_model_len, k=self.k, vocab_size=self.target.vocab_size)
+        grammar_job = self.check_request(prompt, params)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(
             request_id=request_id,
@@ -233,7 +233,7 @@ class Engine:
                 tracker=thinking_tracker(self._markers, prompt),
                 stop=params.stop_strings,
             ),
-            grammar_job=self.compile_grammar(params),
+            grammar_job=grammar_job,
             tokens=list(prompt),
         )
         request.output = RequestOutput(
@@ -241,6 +241,12 @@ class Engine:
         )
         self.scheduler.add(request)
         return request_id
+
+    def check_request(self, prompt: list[int], params: SamplingParams) -> CompileJob | None:
+        """What `add_request` checks before it queues anything (it raises as that says), and the request's grammar
+        compiling (None without one)."""
+        validate(prompt, params, max_model_len=self.config.max_model_len, k=self.k, vocab_size=self.target.vocab_size)
+        return self.compile_grammar(params)
 
     def compile_grammar(self, params: SamplingParams) -> CompileJob | None:
         """Start compiling the request's grammar (cached); raises InvalidGrammarSpec at once for a bad spec."""

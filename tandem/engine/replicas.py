@@ -29,7 +29,6 @@ from tandem.decoding.params import SamplingParams
 from tandem.engine.engine import Engine
 from tandem.engine.kv_blocks import KVStats
 from tandem.engine.output import RequestOutput, StreamDelta
-from tandem.engine.request import validate
 from tandem.engine.workers import WorkerError
 
 IDLE_WAIT_S = 0.05  # how long a step with nothing to run locally waits for the other replicas' messages
@@ -105,10 +104,7 @@ class ReplicatedEngine:
             request_id = self.local.add_request(prompt, params, request_id)
             self.assigned[0] += 1
             return request_id
-        local = self.local
-        vocab_size = local.target.vocab_size
-        validate(prompt, params, max_model_len=local.config.max_model_len, k=local.k, vocab_size=vocab_size)
-        local.compile_grammar(params)  # a malformed grammar fails here, as on one engine
+        self.local.check_request(prompt, params)  # a bad request fails here, as on one engine
         schema = params.json_schema
         if isinstance(schema, type):  # a pydantic model class: its schema travels, not the class
             params = dataclasses.replace(params, json_schema=schema.model_json_schema())

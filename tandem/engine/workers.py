@@ -66,6 +66,11 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
 
+    @property
+    def timeout(self) -> datetime.timedelta:
+        """``timeout_s`` as the process groups and waits take it."""
+        return datetime.timedelta(seconds=self.timeout_s)
+
     def check(self, config: dict[str, Any], device: torch.device, graph_mode: str = "auto") -> None:
         """Raise ValueError, before any process starts or weight is read, for a layout tandem cannot run on the
         model of ``config`` (its ``config.json``) and ``device`` in ``graph_mode``."""
@@ -98,9 +103,8 @@ class ParallelConfig:
             module, config_class = TARGET_MODULES[model_type]
             importlib.import_module(module).check_shard(config_class.from_dict(config), self.shard(0, model_type))
         here = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) if launched() else self.world_size
-        available = torch.cuda.device_count() if device.type == "cuda" else os.cpu_count() or 1
+        available, what = devices_here(device)
         if here > available:
-            what = "GPUs" if device.type == "cuda" else "CPU cores"
             raise ValueError(f"{here} ranks on this machine (tp {tp} x dp {dp}) but it has {available} {what}")
 
     def check_launch(self) -> None:
@@ -177,6 +181,14 @@ class _Forward:
     return_aux: bool
 
 
+def devices_here(device: torch.device) -> tuple[int, str]:
+    """How many processes of ``device``'s type this machine runs side by side (its GPUs, else its CPU cores),
+    and what they are called."""
+    if device.type == "cuda":
+        return torch.cuda.device_count(), "GPUs"
+    return os.cpu_count() or 1, "CPU cores"
+
+
 def launched() -> bool:
     """Whether a launcher (``torchrun``) started this process as one rank of a group."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -194,8 +206,8 @@ def _backend(device: torch.device) -> str:
 
 def _control_group() -> dist.ProcessGroup:
     """The gloo group control messages go over. Its timeout is long: a worker waits on it for the driver's next
-    message however long the engine idles; a rank that dies still breaks it at once, and one that hangs is
-    caught by the next forward's broadcast on the default group (``ParallelConfig.timeout_s``)."""
+    message however long the engine idles; a rank that dies still breaks it at once, and the driver bounds its
+    own waits on it (:func:`_broadcast`, ``ParallelConfig.timeout_s``), so one that hangs is caught too."""
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
 
 
@@ -235,7 +247,6 @@ class _Ranks:
         self.parallel, self.device = parallel, device
         self.processes, self.errors = processes, errors
         self.progress = progress  # per spawned rank: the forwards it finished (shared memory; None under torchrun)
-        self.timeout = datetime.timedelta(seconds=parallel.timeout_s)
         self.forwards = 0  # forwards sent (or being sent)
         self.control = _control_group()
         self.engines = itertools.count()
@@ -252,11 +263,10 @@ class _Ranks:
                     f"this process runs {running.parallel} on {running.device} already: close() those LLMs first"
                 )
             return running
-        timeout = datetime.timedelta(seconds=parallel.timeout_s)
         processes, errors, progress = [], None, None
         if launched():  # torchrun started every rank
             parallel.check_launch()
-            dist.init_process_group(_backend(device), timeout=timeout)
+            dist.init_process_group(_backend(device), timeout=parallel.timeout)
         else:
             context = mp.get_context("spawn")
             errors = context.SimpleQueue()
@@ -274,13 +284,13 @@ class _Ranks:
             for process in processes:
                 process.start()
             dist.init_process_group(
-                _backend(device), init_method=address, rank=0, world_size=parallel.world_size, timeout=timeout
+                _backend(device), init_method=address, rank=0, world_size=parallel.world_size, timeout=parallel.timeout
             )
         cls.running = cls(parallel, device, processes, errors, progress)
         return cls.running
 
     def send(self, message: Any) -> None:
-        self.guarded(_broadcast, message, self.control, self.timeout)
+        self.guarded(_broadcast, message, self.control, self.parallel.timeout)
 
     def guarded(self, run, *args, **kwargs):
         """``run(*args, **kwargs)``, its distributed failures turned into :class:`WorkerError` naming the rank."""
@@ -319,7 +329,7 @@ class _Ranks:
             return
         self.closed = True
         try:
-            _broadcast(None, self.control, self.timeout)
+            _broadcast(None, self.control, self.parallel.timeout)
             told = True
         except RuntimeError:  # a worker is gone or stuck: the kill below ends it
             told = False
@@ -411,9 +421,8 @@ class Workers:
 def _spawned_worker(rank, parallel, device, address, errors, progress) -> None:
     """A spawned worker's process: join the group, then :func:`follow` until the driver stops it."""
     try:
-        timeout = datetime.timedelta(seconds=parallel.timeout_s)
         dist.init_process_group(
-            _backend(device), init_method=address, rank=rank, world_size=parallel.world_size, timeout=timeout
+            _backend(device), init_method=address, rank=rank, world_size=parallel.world_size, timeout=parallel.timeout
         )
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.world_size))
         follow(parallel, device, progress)
@@ -426,7 +435,7 @@ def follow_launcher(parallel: ParallelConfig, device: torch.device | str) -> Non
     """A rank other than 0 that ``torchrun`` started: join the group its environment describes and
     :func:`follow` rank 0's engines."""
     parallel.check_launch()
-    dist.init_process_group(_backend(torch.device(device)), timeout=datetime.timedelta(seconds=parallel.timeout_s))
+    dist.init_process_group(_backend(torch.device(device)), timeout=parallel.timeout)
     follow(parallel, device)
 
 

@@ -239,9 +239,9 @@ class WeightReader:
         stored = self.shape(key)
         weight_handle, scale_handle = self._open(key), self._open(scale_key)
         expected = fp8.scale_shape(stored, self.block) if len(stored) == 2 else None
-        if self.shape(scale_key) != expected:
+        if (scale_shape := self.shape(scale_key)) != expected:
             raise CheckpointError(
-                f"{self.path}: tensor {scale_key!r} has shape {self.shape(scale_key)}, "
+                f"{self.path}: tensor {scale_key!r} has shape {scale_shape}, "
                 f"expected {expected} (blocks of {self.block} over {key!r} {stored})"
             )
         cut = None
