@@ -70,6 +70,7 @@ def trace_summary(trace: dict) -> dict:
         "kernels": len(kernels),
         "window_us": round(end - start, 1),
         "device_busy_fraction": round(busy / (end - start), 3),
+        "device_busy_us": round(busy, 1),
         "htod_copies_by_stream": {str(s): row for s, row in streams.items()},
     }
 

@@ -84,3 +84,40 @@ def test_each_agent_turn_resends_the_conversation_so_far_plus_a_new_user_message
         assert after[: len(before)] == before  # the shared prefix
         assert [m["role"] for m in after[len(before) :]] == ["assistant", "user"]
     assert all(request["tools"] == serve_load.AGENT_TOOLS for request in client.requests)
+
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+def test_graph_steps_times_rows_that_run_through_eos_and_leaves_the_engine_empty(monkeypatch):
+    from tandem import LLM
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # graph_steps imports overlap
+    graph_steps = _script("graph_steps")
+    llm = LLM("demo-llama", device="cpu", graph_mode="eager", max_num_seqs=2)
+    prompt = llm.chat_prompt([{"role": "user", "content": "What is 12 plus 30?"}])
+    row = graph_steps.measure_case(llm.engine, [prompt, prompt], SimpleNamespace(warmup=2, steps=40, k=0))
+    assert row["tokens_per_step"] == 2.0 and "device_ms" not in row  # no row ended: one token each per step
+    assert not llm.engine.has_unfinished()
+    rates = [("plain", "eager", 10), ("plain", "compiled", 20), ("eagle3", "eager", 25), ("eagle3", "compiled", 60)]
+    cases = [{"model": "m", "draft": d, "graph_mode": g, "batch": 1, "tokens_per_s": r} for d, g, r in rates]
+    ratios = {(r["draft"], r.get("graph_mode")): r for r in graph_steps._ratios(cases)}
+    assert ratios["eagle3", "eager"]["speculative_over_plain"] == 2.5
+    assert ratios["eagle3", "compiled"]["speculative_over_plain"] == 3.0
+    assert ratios["eagle3", None]["compiled_over_eager"] == 2.4 and ratios["plain", None]["compiled_over_eager"] == 2.0
+
+
+def test_the_large_target_benchmark_hands_tandem_the_transformers_weights(monkeypatch):
+    import torch
+
+    from tandem.models import ForwardBatch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    large_target = _script("large_target")
+    shape = SimpleNamespace(device="cpu", vocab=512, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
+    model = large_target.hf_model(shape, torch.float32)
+    target = large_target.tandem_target(model)
+    ids = torch.randint(512, (12,), generator=torch.Generator().manual_seed(0))
+    expected = model(ids[None]).logits[0]
+    out = target.forward(ForwardBatch.from_rows([ids.tolist()], [0], [0]), target.new_cache(1, 16))
+    torch.testing.assert_close(out.logits, expected, atol=1e-4, rtol=1e-4)

@@ -190,6 +190,8 @@ class SamplingParams:
     HF's and vLLM's) divides a positive logit of a token seen in the prompt or output by it and
     multiplies a negative one; logit_bias maps token ids to values in [-100, 100] added to their
     logits (tandem.decoding.penalties has the order and the speculative semantics).
+    ignore_eos: go on past the EOS tokens until max_tokens, a stop string or a stop token id (vLLM's: for
+    benchmarks, whose random or free text must run a fixed length); refused with a constraint, which ends at EOS.
     """
 
     temperature: float = 0.0
@@ -210,6 +212,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         _require(self.temperature >= 0, "temperature", self.temperature, ">= 0")
@@ -250,6 +253,10 @@ class SamplingParams:
         if len(constraints) > 1:
             raise ValueError(
                 f"SamplingParams: give at most one of json_schema, regex, grammar, choice; got {constraints}"
+            )
+        if self.ignore_eos and constraints:
+            raise ValueError(
+                f"SamplingParams.ignore_eos: a constrained answer ends at EOS; drop it or {constraints[0]}"
             )
 
     @property

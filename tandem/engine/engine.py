@@ -229,7 +229,7 @@ class Engine:
             seed=params.seed if params.seed is not None else random.getrandbits(62),
             text=TextAssembler(
                 self.tokenizer,
-                eos_token_ids=self._eos | set(params.stop_token_ids or ()),
+                eos_token_ids=(set() if params.ignore_eos else self._eos) | set(params.stop_token_ids or ()),
                 tracker=thinking_tracker(self._markers, prompt),
                 stop=params.stop_strings,
             ),

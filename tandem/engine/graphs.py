@@ -30,6 +30,7 @@ runs eagerly and counts in :attr:`GraphRunner.fallbacks`.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -286,6 +287,10 @@ class GraphRunner:
         with torch.cuda.stream(stream):
             body(*args)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        # Capture starts by releasing the allocator's unused cache (an earlier engine's freed memory, say), which
+        # would come off the pool's growth: release it first.
+        gc.collect()
+        torch.cuda.empty_cache()
         graph, reserved = torch.cuda.CUDAGraph(), torch.cuda.memory_reserved(self.device)
         with torch.cuda.graph(graph, pool=self._pool):
             out = body(*args)

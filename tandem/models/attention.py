@@ -33,9 +33,24 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tandem.core.transfer import int64_tensor
 from tandem.models.base import ForwardBatch, KVCache
+
+# cuDNN's attention builds an execution plan for every new shape, tens of milliseconds of host time each, and an
+# eager decode step's key length is new at every step; the other backends cost nothing per shape.
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(
+    query: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, *, scale: float, enable_gqa: bool = False
+) -> Tensor:
+    """``F.scaled_dot_product_attention`` (``attn_mask=mask``), on CUDA among :data:`CUDA_SDPA_BACKENDS` only."""
+    if query.device.type != "cuda":
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    with sdpa_kernel(CUDA_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
 @dataclass
@@ -198,7 +213,7 @@ class RaggedLayout:
         """
         kv = self.addressing.gather(cache)  # [B, num_keys, 2, nkv, d]
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, nkv, num_keys, d]
-        out = F.scaled_dot_product_attention(
-            self.to_grid(q).transpose(1, 2), k, v, attn_mask=self.attention_mask(q.dtype), scale=scale, enable_gqa=True
+        out = sdpa(
+            self.to_grid(q).transpose(1, 2), k, v, self.attention_mask(q.dtype), scale=scale, enable_gqa=True
         )  # [B, nh, Qmax, d]
         return self.from_grid(out.transpose(1, 2))

@@ -37,11 +37,10 @@ MLA's heads are not split (tensor-parallel attention): :func:`check_shard` refus
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem.core.transfer import int64_tensor
-from tandem.models.attention import RaggedLayout
+from tandem.models.attention import RaggedLayout, sdpa
 from tandem.models.base import (
     BlockTable,
     ForwardBatch,
@@ -106,7 +105,7 @@ def attend_latent(layout: RaggedLayout, query: Tensor, latent_cache: Tensor, val
     num_heads, dim = query.shape[1:]
     keys = layout.addressing.gather(latent_cache).unsqueeze(1)  # [B, 1, num_keys, D]
     # Heads fold into the query axis: one shared key/value head, as in MQA.
-    attention = softmax_attention if query.device.type == "cpu" else F.scaled_dot_product_attention
+    attention = softmax_attention if query.device.type == "cpu" else sdpa
     out = attention(
         layout.to_grid(query).view(num_rows, 1, max_query * num_heads, dim),
         keys,

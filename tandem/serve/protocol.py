@@ -152,6 +152,7 @@ class SamplingRequest(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, description="vLLM's extension; 1: off")
     logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    ignore_eos: bool = Field(default=False, description="vLLM's extension: generate past EOS, up to max_tokens")
     json_whitespace: Literal["default", "compact"] | Annotated[StrictInt, Field(ge=0, le=MAX_JSON_WHITESPACE)] = Field(
         default="default",
         description="tandem's extension: whitespace between JSON tokens of a response_format or tool-call answer; "
@@ -245,6 +246,7 @@ class SamplingRequest(_Body):
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0,
                 logit_bias=self.logit_bias or None,
+                ignore_eos=self.ignore_eos,
             )
             for i in range(self.n)
         ]

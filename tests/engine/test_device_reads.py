@@ -57,3 +57,30 @@ def test_a_speculative_step_reads_the_device_twice(model, draft, dtype, batch):
     for _ in range(3):
         reads = _device_reads(engine)
         assert len(reads) == 2, "\n".join(reads)
+
+
+def _cudnn_kernels(run) -> list[str]:
+    """The names of the cuDNN kernels that ``run()`` launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return sorted({e.name for e in prof.events() if "cudnn" in e.name.lower()})
+
+
+@pytest.mark.parametrize("model, dtype", [("demo-llama", torch.bfloat16), ("demo-deepseek", torch.bfloat16)])
+def test_eager_steps_take_no_cudnn_attention(model, dtype):
+    """cuDNN's attention plans every new shape on the host (tens of milliseconds), and an eager step's key length
+    grows at every step: the models' attention runs on the other backends (tandem.models.attention.sdpa)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    query = torch.randn(1, 8, 16, 64, device="cuda", dtype=dtype)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):  # the detector sees cuDNN's attention where it runs
+        assert _cudnn_kernels(lambda: torch.nn.functional.scaled_dot_product_attention(query, query, query))
+    llm = LLM(model, "mtp" if model == "demo-deepseek" else "eagle3", device="cuda", dtype=dtype, graph_mode="eager")
+    example = generate_examples(1, seed=3, split="heldout")[0]
+    llm.engine.add_request(
+        chat_prompt_ids(llm.tokenizer, example.messages, example.tools), SamplingParams(max_tokens=32)
+    )
+    assert _cudnn_kernels(lambda: [llm.engine.step() for _ in range(4)]) == []

@@ -46,3 +46,20 @@ def test_the_second_generation_config_eos_ends_generation(tmp_path, draft):
     out = LLM(str(model), draft, num_speculative_tokens=3).generate([plain.chat_prompt(QUESTION)], params)[0]
     assert out.token_ids == baseline[: baseline.index(stop_token) + 1]
     assert out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("draft", [None, "eagle3"])
+def test_ignore_eos_runs_to_max_tokens_through_the_eos(draft):
+    """The answer that stopped at EOS goes on: the same tokens, the EOS, then more until max_tokens."""
+    llm = LLM("demo-llama", draft, num_speculative_tokens=3)
+    prompt = llm.chat_prompt(QUESTION)
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=200))[0]
+    assert stopped.finish_reason == "stop"
+    through = llm.generate([prompt], SamplingParams(max_tokens=len(stopped.token_ids) + 12, ignore_eos=True))[0]
+    assert through.finish_reason == "length" and len(through.token_ids) == len(stopped.token_ids) + 12
+    assert through.token_ids[: len(stopped.token_ids)] == stopped.token_ids
+
+
+def test_ignore_eos_is_refused_with_a_constraint():
+    with pytest.raises(ValueError, match="ignore_eos: a constrained answer ends at EOS; drop it or regex"):
+        SamplingParams(regex="a+", ignore_eos=True)

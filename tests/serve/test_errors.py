@@ -210,3 +210,11 @@ def test_client_disconnect_mid_stream_frees_the_request(server):
             time.sleep(0.05)
         assert _metric(http, "tandem_requests_running") == 0
         assert _metric(http, 'tandem_requests_finished_total{finish_reason="abort"}') == aborted + 1
+
+
+def test_ignore_eos_runs_to_max_tokens_and_is_refused_with_a_schema(http):
+    completion = {"model": MODEL, "prompt": "hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    assert _post(http, completion, "/v1/completions").json()["usage"]["completion_tokens"] == 40
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    error = _error(_post(http, _chat(ignore_eos=True, response_format=schema)), 400)
+    assert "ignore_eos" in error["message"]

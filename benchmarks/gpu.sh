@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# What only a GPU shows, in one run of under 10 minutes: the GPU tests (`pytest -m gpu`), graph mode's step
+# times on both demo targets (benchmarks/graph_steps.py), the Llama-3.1-8B-shaped target against the memory
+# roofline and transformers (benchmarks/large_target.py), and speculative vs plain decoding in both graph
+# modes (`tandem bench`). Each part has its own time limit, so one that hangs leaves the others their time;
+# each writes its log to $OUT (default ./gpu-out) and prints its exit status and last lines.
+#
+#   bash benchmarks/gpu.sh [part ...]        # parts: tests graph_steps large_target bench (default: all)
+set -u
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/tandem-inductor}
+
+part() {  # part NAME SECONDS COMMAND...: run COMMAND under a time limit, its output in $out/NAME.log
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    echo "== $name (limit ${limit}s)"
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    echo "   rc=$? in $((SECONDS - start))s"
+    tail -n 4 "$out/$name.log" | cut -c1-1500
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__)"
+parts=${*:-tests graph_steps large_target bench}
+for name in $parts; do
+    case $name in
+    tests) part tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine/test_graphs.py \
+        tests/engine/test_device_reads.py tests/grammars/test_mask_pipeline.py tests/core/test_transfer.py ;;
+    graph_steps) part graph_steps 110 python3 benchmarks/graph_steps.py --steps 24 --warmup 6 \
+        --host-profile "$out/host_profile.txt" ;;
+    large_target) part large_target 120 python3 benchmarks/large_target.py ;;
+    bench) part bench 130 python3 -m tandem.cli bench --device cuda --dtype bfloat16 --graph-mode eager compiled \
+        --drafts eagle3 mtp --k 4 --batch 1 --prompts 4 --max-tokens 64 --repeats 2 --json ;;
+    *) echo "unknown part $name" ;;
+    esac
+done
