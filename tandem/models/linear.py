@@ -116,17 +116,33 @@ class RowParallelLinear(Linear):
 
     The weight is this rank's ``[out, in / size]`` columns (ValueError where the size does not divide
     ``in_features``); the bias is whole, added after the all-reduce. On one device, a :class:`Linear`.
+    ``reduce=False`` (no bias) returns this rank's partial sum instead, for a caller that adds other partial sums
+    before one all-reduce of them all.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, shard: Shard = SINGLE, **factory):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        shard: Shard = SINGLE,
+        reduce: bool = True,
+        **factory,
+    ):
+        if bias and not reduce:
+            raise ValueError("RowParallelLinear: a partial sum (reduce=False) takes no bias")
         super().__init__(shard.part(in_features, "input features")[1], out_features, bias, **factory)
-        self.shard = shard
+        self.shard, self.reduce = shard, reduce
         self.checkpoint_parts = {"weight": Part(1, shard.rank, shard.size)} if shard.parallel else {}
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.shard.parallel:
             return linear(x, self.weight, self.bias)
-        out = self.shard.all_reduce(linear(x, self.weight))
+        out = linear(x, self.weight)
+        if not self.reduce:
+            return out
+        out = self.shard.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 

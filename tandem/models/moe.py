@@ -41,7 +41,7 @@ from tandem.core.transfer import int64_tensor
 from tandem.models.config import DeepseekV3Config
 from tandem.models.layers import Layer
 from tandem.models.linear import linear
-from tandem.models.loading import Part, TakeFn, load_param
+from tandem.models.loading import Part, TakeFn, load_module, load_param
 from tandem.models.mlp import GatedMLP
 from tandem.models.parallel import SINGLE, Shard
 
@@ -301,10 +301,10 @@ class DeepseekMoE(Layer):
         )
         self.experts = RoutedExperts(hidden, inter, config.n_routed_experts, shard=shard, **factory)
         n_shared = config.n_shared_experts
-        # This rank's columns of the shared experts, as a smaller SwiGLU: its output is a partial sum, reduced
-        # with the routed experts' (a tensor-parallel GatedMLP would all-reduce on its own).
-        _, shared_inter = shard.part(inter * n_shared, "n_shared_experts * moe_intermediate_size")
-        self.shared_experts = GatedMLP(hidden, shared_inter, **factory) if n_shared else None
+        # This rank's columns of the shared experts: a partial sum, reduced with the routed experts' in one go.
+        self.shared_experts = (
+            GatedMLP(hidden, inter * n_shared, shard=shard, reduce=False, **factory) if n_shared else None
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.experts(x, *self.gate(x))
@@ -315,7 +315,4 @@ class DeepseekMoE(Layer):
         self.gate.load(take, f"{prefix}gate.")
         self.experts.load(take, f"{prefix}experts.")
         if self.shared_experts is not None:
-            rows, columns = column_parts(self.shard)
-            for key, param, _ in self.shared_experts.gate_up_proj.part_tensors(f"{prefix}shared_experts."):
-                load_param(param, take, key, rows)
-            load_param(self.shared_experts.down_proj.weight, take, f"{prefix}shared_experts.down_proj.weight", columns)
+            load_module(self.shared_experts, take, f"{prefix}shared_experts.")
