@@ -81,8 +81,8 @@ class BackendReport:
     chosen: dict[str, int] = field(default_factory=dict)  # backend="auto": which backend compiled
     wrongly_accepted_files: list[str] = field(default_factory=list)
     refused_keywords: dict[str, int] = field(default_factory=dict)
-    compile_seconds: list[float] = field(default_factory=list)
-    mask_seconds: list[float] = field(default_factory=list)
+    compile_seconds: dict[str, list[float]] = field(default_factory=dict)  # per split
+    mask_seconds: dict[str, list[float]] = field(default_factory=dict)  # per split: one per mask fill
     splits: dict[str, dict[str, int]] = field(default_factory=dict)  # per split: schemas, compiled, valid...
 
     def count(self, split: str, key: str, n: int = 1) -> None:
@@ -96,17 +96,26 @@ class BackendReport:
             return round(float(np.percentile(values, q)) * scale, 1) if values else None
 
         top_refused = sorted(self.refused_keywords.items(), key=lambda kv: -kv[1])[:10]
+        splits = {
+            split: {
+                **counts,
+                "mask_us_per_token_p50": pct(self.mask_seconds.get(split, []), 50, 1e6),
+                "compile_ms_p99": pct(self.compile_seconds.get(split, []), 99, 1e3),
+            }
+            for split, counts in sorted(self.splits.items())
+        }
+        mask_seconds = [t for times in self.mask_seconds.values() for t in times]
+        compile_seconds = [t for times in self.compile_seconds.values() for t in times]
         return {
             "schemas": self.schemas, "compiled": self.compiled, "refused": self.refused,
             "failed": self.failed, "timed_out": self.timed_out,
             "valid": self.valid, "valid_accepted": self.valid_accepted,
             "invalid": self.invalid, "invalid_wrongly_accepted": self.invalid_accepted,
-            "mask_us_per_token_p50": pct(self.mask_seconds, 50, 1e6),
-            "mask_us_per_token_p99": pct(self.mask_seconds, 99, 1e6),
-            "compile_ms_p50": pct(self.compile_seconds, 50, 1e3), "compile_ms_p99": pct(self.compile_seconds, 99, 1e3),
+            "mask_us_per_token_p50": pct(mask_seconds, 50, 1e6), "mask_us_per_token_p99": pct(mask_seconds, 99, 1e6),
+            "compile_ms_p50": pct(compile_seconds, 50, 1e3), "compile_ms_p99": pct(compile_seconds, 99, 1e3),
             "chosen": self.chosen, "top_refused_keywords": dict(top_refused),
             "wrongly_accepted_files": self.wrongly_accepted_files[:20],
-            "splits": dict(sorted(self.splits.items())),
+            "splits": splits,
         }  # fmt: skip
 
 
@@ -150,7 +159,7 @@ def evaluate_backend(
             report.failed += 1
             continue
         report.count(split, "compiled")
-        report.compile_seconds.append(compiled.compile_seconds)
+        report.compile_seconds.setdefault(split, []).append(compiled.compile_seconds)
         report.chosen[compiled.backend] = report.chosen.get(compiled.backend, 0) + 1
         for test in case["tests"]:
             accepted = walk_instance(
@@ -158,7 +167,7 @@ def evaluate_backend(
                 tokenizer.encode(instance_text(test["data"])),
                 tokenizer.eos_token_id,
                 buffer,
-                report.mask_seconds,
+                report.mask_seconds.setdefault(split, []),
             )
             kind = "valid" if test["valid"] else "invalid"
             report.count(split, kind)

@@ -23,9 +23,10 @@ from tandem.grammars.tokenizer import GrammarTokenizer
 
 # backend="auto" takes the first of AUTO_ORDER that honours the spec. Measured with
 # `tandem eval-schemas MASKBENCH_DIR` (the shipped tokenizer): llguidance compiles the most schemas
-# soundly and compiles much faster; xgrammar's masks are the fastest, but it honours no keyword that
-# llguidance does not, rejects valid instances where llguidance does not (support.NARROWED), and its
-# masks allow every tokenization of a key or constant where llguidance's keep the tokenizer's own:
+# soundly and compiles much faster, and with its forced runs kept (backends/llguidance.py) its typical
+# mask is no slower than xgrammar's; xgrammar honours no keyword that llguidance does not, rejects
+# valid instances where llguidance does not (support.NARROWED), and its masks allow every
+# tokenization of a key or constant where llguidance's keep the tokenizer's own:
 # on the demo models those other splits lead answers astray (tests/engine/test_llm.py and
 # test_json_whitespace.py ran to max_tokens when auto preferred xgrammar). outlines-core honours the
 # fewest keywords and its DFA compilation can run for minutes, so it comes last.

@@ -54,9 +54,9 @@ class GrammarRow:
     closing: dict[tuple[tuple[int, ...], int], list] = field(default_factory=dict)
 
 
-def single_token(row: torch.Tensor) -> int:
-    """The one token a bitmask row (int32 [W], CPU) allows; -1 when it allows none or several."""
-    words = row.numpy()
+def single_token(row: torch.Tensor | np.ndarray) -> int:
+    """The one token a bitmask row (int32 [W], CPU, or its numpy view) allows; -1 when it allows none or several."""
+    words = row.numpy() if isinstance(row, torch.Tensor) else row
     nonzero = np.flatnonzero(words)
     if len(nonzero) != 1:
         return -1
@@ -357,5 +357,5 @@ class MaskWalk:
                     self._closing[b][1] = row.clone()
             grammar = state.matcher is not None and self._walking[b] and not thinking
             if grammar and self.detect_forced and not self._stopped[b]:
-                forced = single_token(self._flat[b * width + i])
+                forced = single_token(self._words[b * width + i])
             self.forced[b].append(forced)

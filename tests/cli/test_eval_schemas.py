@@ -20,6 +20,11 @@ def test_eval_schemas_json_summary(tandem, maskbench):
         assert report["compiled"] + report["refused"] + report["failed"] + report["timed_out"] == 12
         assert report["valid_accepted"] <= report["valid"] and report["invalid_wrongly_accepted"] <= report["invalid"]
         assert sum(report["chosen"].values()) == report["compiled"]
+        splits = report["splits"].values()
+        assert sum(split["compiled"] for split in splits) == report["compiled"]
+        for split in splits:  # per split, the mask times of the instances walked, the compile times of the schemas
+            assert (split["mask_us_per_token_p50"] is None) == (split["valid"] + split["invalid"] == 0)
+            assert (split["compile_ms_p99"] is None) == (split["compiled"] == 0)
     auto = summary["backends"]["auto"]
     assert auto["compiled"] > 0 and auto["valid_accepted"] > 0
     assert set(auto["chosen"]) <= set(BACKENDS)

@@ -42,10 +42,15 @@ class CompiledGrammar:
     compile_seconds: float
 
 
+def token_bit(token: int) -> int:
+    """`token`'s bit in its bitmask word (word `token >> 5`) as an int32 value: bit 31 is the sign bit."""
+    return ((1 << (token & 31)) ^ 0x80000000) - 0x80000000
+
+
 def set_token_bit(row: torch.Tensor, token: int) -> None:
     """Allow `token` in one bitmask row (int32 [W], CPU); mutates `row`."""
-    # Through numpy: on a tensor element, `|=` is three dispatched torch ops. Bit 31 is the int32 sign bit.
-    row.numpy()[token >> 5] |= ((1 << (token & 31)) ^ 0x80000000) - 0x80000000
+    # Through numpy: on a tensor element, `|=` is three dispatched torch ops.
+    row.numpy()[token >> 5] |= token_bit(token)
 
 
 class EosTerminatedMatcher:
