@@ -1,12 +1,15 @@
-"""A demo pair over two processes against one process, in one run; prints JSON.
+"""A demo pair over several processes against one process, in one run; prints JSON.
 
-    python benchmarks/parallel.py [--models demo-llama demo-deepseek --batch 1 4 --max-tokens 64 --repeats 3]
+    python benchmarks/parallel.py [--layouts llama-tp2 deepseek-dp2-ep llama-tp2-dp2 --batch 1 4 --max-tokens 64
+                                   --repeats 3]
 
-demo-llama + EAGLE-3 at tensor_parallel_size 2, demo-deepseek + MTP at data_parallel_size 2 with expert parallel,
-each beside the same pair in one process: generated tokens/s per batch size (best of ``--repeats``, the two
-layouts alternating so both see the same machine), their ratio, and whether the tokens are the same (greedy).
-On a CPU the two ranks share its cores and every layer adds an all-reduce through gloo, so the parallel run is
-expected slower there: the point is that it decodes the same tokens; its speed belongs on several GPUs.
+``llama-tp2``: demo-llama + EAGLE-3 at tensor_parallel_size 2; ``deepseek-dp2-ep``: demo-deepseek + MTP at
+data_parallel_size 2 with expert parallel; ``llama-tp2-dp2``: demo-llama + EAGLE-3 as two engine replicas of two
+tensor-parallel ranks each (four processes; not run by default). Each beside the same pair in one process:
+generated tokens/s per batch size (best of ``--repeats``, the two layouts alternating so both see the same
+machine), their ratio, and whether the tokens are the same (greedy). On a CPU the ranks share its cores and every
+layer adds an all-reduce through gloo, so the parallel run is expected slower there: the point is that it decodes
+the same tokens; its speed belongs on several GPUs.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from tandem.decoding.params import SamplingParams
 from tandem.demo.corpus import generate_examples
 from tandem.llm import LLM
 
-LAYOUTS = {
-    "demo-llama": ("eagle3", {"tensor_parallel_size": 2}),
-    "demo-deepseek": ("mtp", {"data_parallel_size": 2, "enable_expert_parallel": True}),
+LAYOUTS = {  # name -> (model, draft, parallel settings)
+    "llama-tp2": ("demo-llama", "eagle3", {"tensor_parallel_size": 2}),
+    "deepseek-dp2-ep": ("demo-deepseek", "mtp", {"data_parallel_size": 2, "enable_expert_parallel": True}),
+    "llama-tp2-dp2": ("demo-llama", "eagle3", {"tensor_parallel_size": 2, "data_parallel_size": 2}),
 }
 
 
@@ -38,17 +42,17 @@ def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=sorted(LAYOUTS), default=sorted(LAYOUTS, reverse=True))
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=["llama-tp2", "deepseek-dp2-ep"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     examples = generate_examples(max(args.batch), seed=5, split="heldout")
     results = []
-    for model in args.models:
-        draft, layout = LAYOUTS[model]
+    for label in args.layouts:
+        model, draft, layout = LAYOUTS[label]
         settings = {"max_num_seqs": max(args.batch), "max_model_len": 1024, "enable_prefix_caching": False}
-        llms = {"one_process": LLM(model, draft, **settings), "two_processes": LLM(model, draft, **settings, **layout)}
+        llms = {"one_process": LLM(model, draft, **settings), "parallel": LLM(model, draft, **settings, **layout)}
         prompts = [llms["one_process"].chat_prompt(e.messages, e.tools) for e in examples]
         for batch in args.batch:
             best, tokens = dict.fromkeys(llms, 0.0), {}
@@ -60,16 +64,17 @@ def main() -> None:
                     best[name] = max(best[name], rate)
             results.append(
                 {
+                    "name": label,
                     "model": model,
                     "draft": draft,
                     "layout": layout,
                     "batch": batch,
                     **{f"{name}_tokens_per_s": round(rate, 1) for name, rate in best.items()},
-                    "two_vs_one": round(best["two_processes"] / best["one_process"], 3),
-                    "same_tokens": tokens["two_processes"] == tokens["one_process"],
+                    "parallel_vs_one": round(best["parallel"] / best["one_process"], 3),
+                    "same_tokens": tokens["parallel"] == tokens["one_process"],
                 }
             )
-        llms["two_processes"].close()
+        llms["parallel"].close()
     print(json.dumps({"threads": torch.get_num_threads(), "max_tokens": args.max_tokens, "runs": results}, indent=2))
 
 

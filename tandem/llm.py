@@ -14,8 +14,8 @@ from tandem.assets import ASSETS_DIR, DEFAULT_MODEL
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
 from tandem.engine import Engine, EngineConfig
 from tandem.engine.output import RequestOutput, StreamDelta
-from tandem.engine.replicas import ReplicatedEngine
-from tandem.engine.workers import ParallelConfig, Workers, devices_here
+from tandem.engine.replicas import ReplicatedEngine, replica_devices
+from tandem.engine.workers import ParallelConfig, Workers
 from tandem.models import hub
 from tandem.models.parallel import SINGLE
 
@@ -50,7 +50,8 @@ class LLM:
         holds rank 0; tandem starts the other ranks itself (one per GPU, gloo on the CPU) and stops them at
         :meth:`close` (or at exit). For a Llama model data_parallel_size means engine replicas
         (:class:`tandem.engine.replicas.ReplicatedEngine`): this engine and data_parallel_size - 1 processes with
-        their own, requests balanced across them.
+        their own, requests balanced across them; with tensor_parallel_size each replica is a tensor-parallel
+        engine of its own (on CUDA replica r holds GPUs r * tp to r * tp + tp - 1).
     """
 
     def __init__(
@@ -89,11 +90,10 @@ class LLM:
         narrow = torch.device(device).type == "cpu" and dtype == torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         config = read_config(self.model_path)
-        replicas = 1  # Llama's data parallelism: engine replicas, this one and data_parallel_size - 1 processes
+        devices = [device]  # Llama's data parallelism: engine replicas (each one's rank 0 device), this one first
         if config.get("model_type") == "llama" and data_parallel_size > 1:
-            replicas, data_parallel_size = data_parallel_size, 1
-            check_replicas(replicas, tensor_parallel_size, torch.device(device))
-            device = "cuda:0" if torch.device(device).type == "cuda" else device
+            devices = [str(d) for d in replica_devices(data_parallel_size, tensor_parallel_size, torch.device(device))]
+            device, data_parallel_size = devices[0], 1
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         parallel.check(config, torch.device(device), graph_mode)
         self.workers: Workers | None = None
@@ -131,16 +131,14 @@ class LLM:
             ),
             self.workers,
         )
-        if replicas > 1:
-            cuda = torch.device(device).type == "cuda"
+        if len(devices) > 1:
             builds = [
                 functools.partial(
                     LLM,
                     **arguments
-                    | {"model": str(self.model_path), "revision": None, "data_parallel_size": 1}
-                    | {"device": f"cuda:{i}" if cuda else device},
+                    | {"model": str(self.model_path), "revision": None, "data_parallel_size": 1, "device": replica},
                 )
-                for i in range(1, replicas)
+                for replica in devices[1:]
             ]
             self.engine = ReplicatedEngine(self.engine, builds)
             weakref.finalize(self, self.engine.close)
@@ -209,18 +207,6 @@ def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = 
     encoded without adding special tokens (the template has them)."""
     prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return tokenizer(prompt, add_special_tokens=False)["input_ids"]
-
-
-def check_replicas(replicas: int, tensor_parallel_size: int, device: torch.device) -> None:
-    """Raise ValueError for engine replicas (Llama's ``data_parallel_size``) this machine cannot run."""
-    if tensor_parallel_size > 1:
-        raise ValueError(
-            f"data_parallel_size {replicas} with tensor_parallel_size {tensor_parallel_size} for a Llama model "
-            "(tensor-parallel engine replicas) is not built yet: use one of the two"
-        )
-    available, what = devices_here(device)
-    if replicas > available:
-        raise ValueError(f"data_parallel_size {replicas} engine replicas but this machine has {available} {what}")
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -36,7 +36,11 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size", type=int, default=1, help="Llama: ranks splitting heads, MLP columns and vocabulary"
     )
     group.add_argument(
-        "--data-parallel-size", type=int, default=1, help="DeepSeek-V3: ranks running attention over their own rows"
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="DeepSeek-V3: ranks running attention over their own rows; Llama: engine replicas, each of "
+        "--tensor-parallel-size ranks (requests balanced)",
     )
     group.add_argument(
         "--enable-expert-parallel", action="store_true", help="DeepSeek-V3: whole routed experts per rank"

@@ -1,17 +1,21 @@
 """Engine replicas behind one front end: data parallelism for a dense target (Llama's ``data_parallel_size``).
 
 Replica 0 is the driver's own engine; each other replica is a process running a whole engine of its own (its
-copy of the target and draft on its own device, ``cuda:<i>``, its scheduler, KV cache and grammar compiler), as
-vLLM runs an engine core per data-parallel rank behind one API server. :class:`ReplicatedEngine` answers what
-``tandem.LLM`` and the server ask of an :class:`~tandem.engine.Engine`: a new request goes to the replica with
-the fewest unfinished requests (checked here first, so a bad request fails at once as on one engine); a step
-steps the driver's replica while the others step on their own, and returns every replica's stream deltas that
-have arrived. The replicas share nothing, so a request decodes exactly as one engine would decode it.
+copy of the target and draft, its scheduler, KV cache and grammar compiler), as vLLM runs an engine core per
+data-parallel rank behind one API server. A replica may itself be tensor-parallel: its process is then the
+driver of worker ranks of its own (:mod:`tandem.engine.workers`, its own process group on its own port), and
+:func:`replica_devices` gives replica ``r`` the GPUs ``r * tp`` to ``r * tp + tp - 1``, so no two share one.
+
+:class:`ReplicatedEngine` answers what ``tandem.LLM`` and the server ask of an :class:`~tandem.engine.Engine`: a
+new request goes to the replica with the fewest unfinished requests (checked here first, so a bad request fails
+at once as on one engine); a step steps the driver's replica while the others step on their own, and returns
+every replica's stream deltas that have arrived. The replicas share nothing, so a request decodes exactly as
+one engine would decode it.
 
 Messages go over ``multiprocessing`` pipes (requests in; deltas, finished outputs and KV counters out); the
-replica processes are built by a picklable ``build()`` that returns an object with an ``engine`` (``tandem.LLM``
-passes its own class with the same settings). A replica that dies ends the front end with
-:class:`~tandem.engine.workers.WorkerError` naming it.
+replica processes are built by a picklable ``build()`` that returns an object with an ``engine`` and a
+``close()`` (``tandem.LLM`` passes its own class with the same settings). A replica that dies, or fails to
+start, ends the front end with :class:`~tandem.engine.workers.WorkerError` naming it.
 """
 
 from __future__ import annotations
@@ -23,15 +27,45 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from tandem.decoding.params import SamplingParams
 from tandem.engine.engine import Engine
 from tandem.engine.kv_blocks import KVStats
 from tandem.engine.output import RequestOutput, StreamDelta
-from tandem.engine.workers import WorkerError
+from tandem.engine.workers import WorkerError, devices_here, launched
 
 IDLE_WAIT_S = 0.05  # how long a step with nothing to run locally waits for the other replicas' messages
+
+
+def replica_devices(replicas: int, tensor_parallel_size: int, device: torch.device) -> list[torch.device]:
+    """The device of each replica's rank 0 (its driver), ``replicas`` engines of ``tensor_parallel_size`` ranks
+    each; raise ValueError naming the setting this machine or launch cannot run. On CUDA replica ``r`` takes
+    the GPUs ``first + r * tp`` to ``first + r * tp + tp - 1`` (``first``: ``device``'s index, 0 when it has
+    none). On the CPU every replica runs on ``device`` and the replicas' ranks share the cores (slower, not
+    wrong): the replicas are held to the core count here, each one's ranks by
+    :meth:`~tandem.engine.workers.ParallelConfig.check`."""
+    tp = tensor_parallel_size
+    if replicas < 1 or tp < 1:
+        raise ValueError(f"data_parallel_size {replicas} and tensor_parallel_size {tp} must be at least 1")
+    if launched():
+        raise ValueError(
+            f"data_parallel_size {replicas} for a Llama model (engine replicas) under torchrun: tandem starts the "
+            "replica processes itself; run the command in one process, or use tensor_parallel_size alone"
+        )
+    available, what = devices_here(device)
+    if device.type != "cuda":
+        if replicas > available:
+            raise ValueError(f"data_parallel_size {replicas} engine replicas but this machine has {available} {what}")
+        return [device] * replicas
+    first = device.index or 0
+    if first + replicas * tp > available:
+        raise ValueError(
+            f"data_parallel_size {replicas} x tensor_parallel_size {tp} = {replicas * tp} GPUs from cuda:{first}, "
+            f"but this machine has {available} GPUs"
+        )
+    return [torch.device("cuda", first + r * tp) for r in range(replicas)]
 
 
 @dataclasses.dataclass
@@ -44,6 +78,7 @@ class _Remote:
     unfinished: set[str] = dataclasses.field(default_factory=set)
     waiting: set[str] = dataclasses.field(default_factory=set)
     stats: KVStats | None = None
+    started: bool = False  # its engine was built
 
 
 class ReplicatedEngine:
@@ -52,6 +87,7 @@ class ReplicatedEngine:
 
     def __init__(self, local: Engine, builds: list[Callable[[], Any]]) -> None:
         self.local = local
+        self.closed = False
         context = mp.get_context("spawn")
         self.remotes: list[_Remote] = []
         for index, build in enumerate(builds, 1):
@@ -60,14 +96,14 @@ class ReplicatedEngine:
             process.start()
             theirs.close()  # the child's end lives in the child: its exit then ends our reads (EOFError)
             self.remotes.append(_Remote(index, process, ours))
-        for remote in self.remotes:
+        for remote in self.remotes:  # they build side by side; one that fails stops them all (close), named
             self._receive(remote, until="ready")
+            remote.started = True
         self._ids = itertools.count()
         self.assigned = [0] * self.num_replicas  # requests each replica was given
         self._owner: dict[str, _Remote] = {}
         self._finished: dict[str, RequestOutput] = {}
         self._deltas: list[StreamDelta] = []
-        self.closed = False
 
     # ---------------------------------------------------------------- what the front ends read
     @property
@@ -178,7 +214,7 @@ class ReplicatedEngine:
             raise self._lost(remote) from error
         if message[0] == "failed":
             self.close()
-            raise WorkerError(f"replica {remote.index} failed:\n{message[1]}")
+            raise WorkerError(f"replica {remote.index} failed{'' if remote.started else ' to start'}:\n{message[1]}")
         return message
 
     def _receive(self, remote: _Remote, until: str) -> None:
@@ -201,13 +237,17 @@ class ReplicatedEngine:
     def _lost(self, remote: _Remote) -> WorkerError:
         remote.process.join(timeout=1)
         self.close()
-        return WorkerError(f"replica {remote.index} exited with code {remote.process.exitcode}")
+        when = "" if remote.started else " before its engine started"
+        return WorkerError(f"replica {remote.index} exited with code {remote.process.exitcode}{when}")
 
 
 def _replica_main(conn: Connection, build: Callable[[], Any]) -> None:
-    """A replica process: build its engine, then apply requests and step until told to stop."""
+    """A replica process: build its engine, then apply requests and step until told to stop (then close what it
+    built: a tensor-parallel replica's worker ranks stop with it)."""
+    built = None
     try:
-        engine = build().engine
+        built = build()
+        engine = built.engine
         conn.send(("ready",))
         while True:
             finished: dict[str, RequestOutput] = {}
@@ -230,3 +270,6 @@ def _replica_main(conn: Connection, build: Callable[[], Any]) -> None:
                 conn.send(("step", deltas, finished, engine.waiting_ids(), engine.kv_stats()))
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
+    finally:
+        if built is not None:
+            built.close()

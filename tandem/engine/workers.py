@@ -104,8 +104,10 @@ class ParallelConfig:
             importlib.import_module(module).check_shard(config_class.from_dict(config), self.shard(0, model_type))
         here = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) if launched() else self.world_size
         available, what = devices_here(device)
-        if here > available:
-            raise ValueError(f"{here} ranks on this machine (tp {tp} x dp {dp}) but it has {available} {what}")
+        first = (device.index or 0) if device.type == "cuda" and not launched() else 0  # rank r: cuda:<first + r>
+        if first + here > available:
+            start = f" from cuda:{first}" if first else ""
+            raise ValueError(f"{here} ranks on this machine{start} (tp {tp} x dp {dp}) but it has {available} {what}")
 
     def check_launch(self) -> None:
         """Under ``torchrun``: raise ValueError when it started another number of ranks than the layout has."""
@@ -231,10 +233,14 @@ def _wait(work: dist.Work, timeout: datetime.timedelta | None) -> None:
 
 
 def _rank_device(device: torch.device, rank: int) -> torch.device:
-    """The device of ``rank`` on its node: ``cuda:<local rank>`` on GPUs, the CPU otherwise."""
+    """The device of ``rank`` on its node, ``device`` being rank 0's: under ``torchrun`` ``cuda:<local rank>``,
+    else ``cuda:<rank 0's index + rank>`` (a tensor-parallel engine replica's ranks take the GPUs after its
+    first); the CPU otherwise."""
     if device.type != "cuda":
         return device
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    if launched():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    return torch.device("cuda", (device.index or 0) + rank)
 
 
 class _Ranks:
@@ -283,6 +289,8 @@ class _Ranks:
             ]
             for process in processes:
                 process.start()
+            if device.type == "cuda" and device.index is not None:  # a replica's driver: NCCL's current device
+                torch.cuda.set_device(device)
             dist.init_process_group(
                 _backend(device), init_method=address, rank=0, world_size=parallel.world_size, timeout=parallel.timeout
             )
@@ -421,6 +429,8 @@ class Workers:
 def _spawned_worker(rank, parallel, device, address, errors, progress) -> None:
     """A spawned worker's process: join the group, then :func:`follow` until the driver stops it."""
     try:
+        if device.type == "cuda":
+            torch.cuda.set_device(_rank_device(device, rank))
         dist.init_process_group(
             _backend(device), init_method=address, rank=rank, world_size=parallel.world_size, timeout=parallel.timeout
         )
