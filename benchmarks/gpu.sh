@@ -2,11 +2,12 @@
 # What only a GPU shows, in one run of under 10 minutes: the GPU tests (`pytest -m gpu`), graph mode's step
 # times on both demo targets (benchmarks/graph_steps.py), the Llama-3.1-8B-shaped target against the memory
 # roofline and transformers (benchmarks/large_target.py), and speculative vs plain decoding on the demo
-# prompts in graph mode (`tandem bench`; eager steps are bound by the host and would not fit). Each part has
-# its own time limit, so one that hangs leaves the others their time; each writes its log to $OUT (default
-# ./gpu-out) and prints its exit status and last lines.
+# prompts in graph mode (`tandem bench`; eager steps are bound by the host and would not fit), and the
+# paged-attention kernel against gather + sdpa (benchmarks/paged_attention.py). Each part has its own time limit,
+# so one that hangs leaves the others their time; each writes its log to $OUT (default ./gpu-out) and prints its
+# exit status and last lines.
 #
-#   bash benchmarks/gpu.sh [part ...]        # parts: tests graph_steps large_target bench (default: all)
+#   bash benchmarks/gpu.sh [part ...]        # parts: tests graph_steps large_target paged_attention bench (default: all)
 set -u
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -25,7 +26,7 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND under a time limit, its ou
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"
-parts=${*:-tests graph_steps large_target bench}
+parts=${*:-tests graph_steps large_target paged_attention bench}
 for name in $parts; do
     case $name in
     tests) part tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine/test_graphs.py \
@@ -35,6 +36,7 @@ for name in $parts; do
     large_target) part large_target 120 python3 benchmarks/large_target.py ;;
     bench) part bench 150 python3 -m tandem.cli bench --device cuda --dtype bfloat16 --graph-mode compiled \
         --drafts eagle3 mtp --k 4 --batch 1 --prompts 4 --max-tokens 64 --repeats 2 --json ;;
+    paged_attention) part paged_attention 90 python3 benchmarks/paged_attention.py ;;
     *) echo "unknown part $name" ;;
     esac
 done

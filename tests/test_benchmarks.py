@@ -121,3 +121,22 @@ def test_the_large_target_benchmark_hands_tandem_the_transformers_weights(monkey
     expected = model(ids[None]).logits[0]
     out = target.forward(ForwardBatch.from_rows([ids.tolist()], [0], [0]), target.new_cache(1, 16))
     torch.testing.assert_close(out.logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_paged_attention_benchmark_times_both_paths_in_both_layouts_at_tiny_shapes(capsys):
+    import json
+
+    import torch
+
+    from tandem.models import attention
+
+    paged_attention = _script("paged_attention")
+    chosen = attention.attention_backend
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU's kernel: Triton's interpreter
+    tiny = "--heads 4 --kv-heads 2 --head-dim 16 --contexts 40 --batch-sizes 2 --max-len 64 --iters 1"
+    assert paged_attention.main([*tiny.split(), "--device", device, "--dtype", "float32"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    cases = [(layout, step) for layout in ("eager", "graph") for step in ("decode", "verify")]
+    assert [(r["layout"], r["step"]) for r in rows] == cases
+    assert all(r["torch_us"] > 0 and r["kernel_us"] > 0 and r["max_abs_diff"] < 1e-5 for r in rows)
+    assert attention.attention_backend == chosen

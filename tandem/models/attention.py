@@ -24,10 +24,19 @@ steps) the grid is a view of the tokens; when the rows' blocks in the key window
 consecutive slots) their keys are a view of the pool, and tokens whose entries are consecutive
 (one row's) are written as a slice. Keys start at ``key_start`` (a draft's cache holds nothing at
 position 0), so a step of one token per row at each row's end needs no mask.
+
+With :data:`ATTENTION_ENV` at ``auto`` the gather is skipped on CUDA: :meth:`RaggedLayout.attend` runs the
+Triton paged-attention kernel (:mod:`tandem.kernels.paged_attention`), which reads each row's keys through its
+block table and masks them by the queries' positions (:attr:`RaggedLayout.positions`), in both layouts (graph
+mode's too: the kernel reads only device tensors, so it is captured with the step). The default is the torch
+path, the reference the kernel is tested against, until the kernel has been run and timed on a GPU.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +50,28 @@ from tandem.models.base import ForwardBatch, KVCache
 # cuDNN's attention builds an execution plan for every new shape, tens of milliseconds of host time each, and an
 # eager decode step's key length is new at every step; the other backends cost nothing per shape.
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+# Which attention a layout runs, read once at import: "torch" (default), gather + sdpa everywhere; "auto", the
+# Triton paged-attention kernel for CUDA tensors where Triton imports, else gather + sdpa; "triton", the kernel on
+# every device (on the CPU only under TRITON_INTERPRET: the tests). A process-wide switch rather than an
+# EngineConfig field: layouts are built by the providers, below the engine, and both paths compute the same thing.
+ATTENTION_ENV = "TANDEM_ATTENTION"
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+attention_backend = os.environ.get(ATTENTION_ENV, "torch")
+
+
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def uses_kernel(x: Tensor) -> bool:
+    """Whether attention over ``x``'s device runs the paged-attention kernel (:data:`attention_backend`'s rule)."""
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"${ATTENTION_ENV} must be one of {', '.join(ATTENTION_BACKENDS)}; got {attention_backend!r}")
+    if attention_backend == "auto":
+        return x.device.type == "cuda" and _triton_available()
+    return attention_backend == "triton"
 
 
 def sdpa(
@@ -101,11 +132,12 @@ class RaggedLayout:
     addressing: BlockAddressing
     num_rows: int
     grid_index: tuple[Tensor, Tensor] | None  # (row, column) [T] of each token in the grid; None: T == B * Qmax
-    visible: Tensor | None  # [B, 1, Qmax, num_keys] bool: key position <= query position
-    #                         (None when every query sees every key)
+    masked: bool  # whether some query sees fewer than all keys (else no mask: visible is None)
     max_query: int
     max_key: int  # one past the last position of the batch
+    positions: Tensor  # [B, Qmax] int64: each query's position (a padding query's: one its row's keys cover)
     _masks: dict[tuple, Tensor] = field(default_factory=dict, repr=False)  # attention_mask's, per (dtype, repeats)
+    _tables: Tensor | None = field(default=None, repr=False)  # block_tables' arange, for an in-order window
 
     @classmethod
     def build(cls, batch: ForwardBatch, cache: KVCache) -> RaggedLayout:
@@ -141,11 +173,8 @@ class RaggedLayout:
             key_start=key_start,
             key_end=max_key,
         )
-        visible = None
-        if max_query > 1 or min(ends) < addressing.key_end:
-            keys = torch.arange(addressing.key_start, addressing.key_end, device=device)
-            visible = (keys <= query_positions[..., None])[:, None]
-        return cls(addressing, num_rows, grid_index, visible, max_query, max_key)
+        masked = max_query > 1 or min(ends) < addressing.key_end
+        return cls(addressing, num_rows, grid_index, masked, max_query, max_key, query_positions)
 
     @classmethod
     def static(
@@ -172,9 +201,16 @@ class RaggedLayout:
         addressing = BlockAddressing(
             write_index, None, tables, None, num_rows, block_size, key_offset=0, key_start=key_start, key_end=key_end
         )
-        keys = torch.arange(key_start, key_end, device=positions.device)
-        visible = (keys <= positions[..., None])[:, None]
-        return cls(addressing, num_rows, None, visible, max_query, key_end)
+        return cls(addressing, num_rows, None, True, max_query, key_end, positions)
+
+    @property
+    def visible(self) -> Tensor | None:
+        """``[B, 1, Qmax, num_keys]`` bool: key position <= query position; None when every query sees every key.
+        Built on demand: the paged-attention kernel masks by the positions themselves."""
+        if not self.masked:
+            return None
+        keys = torch.arange(self.addressing.key_start, self.addressing.key_end, device=self.positions.device)
+        return (keys <= self.positions[..., None])[:, None]
 
     def attention_mask(self, dtype: torch.dtype, repeats: int = 1) -> Tensor | None:
         """``visible`` as ``scaled_dot_product_attention``'s additive mask (0 or -inf) in ``dtype``,
@@ -209,11 +245,47 @@ class RaggedLayout:
     def attend(self, q: Tensor, cache: Tensor, scale: float) -> Tensor:
         """Attention of ``q: [T, nh, d]`` over each row's keys in ``cache: [num_blocks, block_size, 2, nkv, d]``.
 
-        Returns ``[T, nh, d]``. Query heads are grouped over key/value heads (GQA).
+        Returns ``[T, nh, d]``. Query heads are grouped over key/value heads (GQA). The paged-attention kernel
+        where :func:`uses_kernel` says so (:meth:`attend_paged`), else gather + sdpa.
         """
+        if uses_kernel(q):
+            return self.attend_paged(q, cache[:, :, 0], cache[:, :, 1], scale)
         kv = self.addressing.gather(cache)  # [B, num_keys, 2, nkv, d]
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, nkv, num_keys, d]
         out = sdpa(
             self.to_grid(q).transpose(1, 2), k, v, self.attention_mask(q.dtype), scale=scale, enable_gqa=True
         )  # [B, nh, Qmax, d]
         return self.from_grid(out.transpose(1, 2))
+
+    def attend_paged(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, scale: float) -> Tensor:
+        """The paged-attention kernel's attention of ``q: [T, nh, Dk]`` over each row's keys in ``key_cache:
+        [num_blocks, block_size, nkv, Dk]`` and values in ``value_cache: [num_blocks, block_size, nkv, Dv]``
+        (views of one pool: Llama's ``cache[:, :, 0]`` and ``cache[:, :, 1]``, MLA's latents ``cache[:, :, None]``
+        and ``cache[:, :, None, :Dv]``), read through the block table. Returns ``[T, nh, Dv]``."""
+        from tandem.kernels import paged_attention_triton  # imports Triton: only where the kernel runs
+
+        a = self.addressing
+        out = paged_attention_triton(
+            self.to_grid(q),
+            key_cache,
+            value_cache,
+            self.block_tables(),
+            self.positions,
+            scale=scale,
+            key_start=a.key_start,
+            key_end=a.key_end,
+            key_offset=a.key_offset,
+        )
+        return self.from_grid(out)
+
+    def block_tables(self) -> Tensor:
+        """``[B, nb]`` int64: each row's blocks over the key window, the first holding position ``key_offset``
+        (a window of consecutive blocks, which :meth:`BlockAddressing.gather` views, as their ids)."""
+        a = self.addressing
+        if a.tables is not None:
+            return a.tables
+        if self._tables is None:
+            window = -(-(a.key_end - a.key_offset) // a.block_size)
+            ids = torch.arange(a.first_block, a.first_block + a.num_rows * window, device=self.positions.device)
+            self._tables = ids.view(a.num_rows, window)
+        return self._tables
