@@ -20,11 +20,53 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from tandem.core.transfer import int64_tensor, to_device
+from tandem.core.transfer import Staging
 from tandem.decoding.params import SamplingParams
+
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # the [B] fields, in order
+
+
+@dataclass(frozen=True)
+class TokenTable:
+    """A ``[B, V]`` float32 table sent as its entries: row ``rows[i]`` adds ``weights[i]`` (None: 1) at id
+    ``ids[i]``; rows, ids: [N] int64, weights: [N] float32 or None. The host sends the entries, never the table."""
+
+    shape: tuple[int, int]
+    rows: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor | None
+
+    @classmethod
+    def stage(
+        cls,
+        shape: tuple[int, int],
+        tokens: dict[int, list[int]],
+        values: dict[int, list[float]] | None,
+        staging: Staging,
+    ) -> TokenTable:
+        """Row ``b``'s entries are ``tokens[b]`` with ``values[b]`` (None: ones), staged on ``staging``."""
+        rows = itertools.chain.from_iterable([b] * len(row) for b, row in tokens.items())
+        weights = None if values is None else staging.float32(list(itertools.chain.from_iterable(values.values())))
+        return cls(
+            shape,
+            staging.int64(list(rows)),
+            staging.int64(list(itertools.chain.from_iterable(tokens.values()))),
+            weights,
+        )
+
+    def dense(self) -> torch.Tensor:
+        """``[B, V]`` float32, summed on the device by ``scatter_add_`` over the flattened table, which never reads
+        the device back (``index_put_`` with ``accumulate=True`` sorts its indices, and on CUDA may wait for the
+        device: tests/engine/test_device_reads.py)."""
+        batch, vocab_size = self.shape
+        device = self.ids.device
+        weights = torch.ones(len(self.ids), device=device) if self.weights is None else self.weights
+        table = torch.zeros(batch * vocab_size, device=device)
+        return table.scatter_add_(0, self.rows * vocab_size + self.ids, weights).view(batch, vocab_size)
 
 
 @dataclass(frozen=True)
@@ -32,18 +74,36 @@ class LogitAdjustments:
     """One step's penalties and biases, one row per request (rows that ask for none are neutral).
 
     presence, frequency: [B] float32 (0 = off); repetition: [B] float32 (1 = off)
-    output_counts:       [B, V] float32, occurrences of each token in the committed output
-    prompt_seen:         [B, V] bool, tokens of the prompt (of rows with a repetition penalty), or None
-                         when no row has one (the rule is then skipped: r = 1 changes nothing)
-    bias:                [B, V] float32, or None when no row has a logit bias
+    counted:             the occurrences of each token in each row's committed output (:attr:`output_counts`)
+    prompted:            the tokens of the prompt of rows with a repetition penalty (:attr:`prompt_seen`), or
+                         None when no row has one (the rule is then skipped: r = 1 changes nothing)
+    biased:              the rows' logit biases (:attr:`bias`), or None when no row has one
+
+    The dense tables are summed on the device when first read, so a :class:`Staging` that carries the entries
+    may send after :meth:`build`.
     """
 
     presence: torch.Tensor
     frequency: torch.Tensor
     repetition: torch.Tensor
-    output_counts: torch.Tensor
-    prompt_seen: torch.Tensor | None
-    bias: torch.Tensor | None
+    counted: TokenTable
+    prompted: TokenTable | None
+    biased: TokenTable | None
+
+    @cached_property
+    def output_counts(self) -> torch.Tensor:
+        """[B, V] float32: occurrences of each token in the committed output."""
+        return self.counted.dense()
+
+    @cached_property
+    def prompt_seen(self) -> torch.Tensor | None:
+        """[B, V] bool: tokens of the prompt (rows with a repetition penalty), or None."""
+        return None if self.prompted is None else self.prompted.dense() > 0
+
+    @cached_property
+    def bias(self) -> torch.Tensor | None:
+        """[B, V] float32 logit biases, or None."""
+        return None if self.biased is None else self.biased.dense()
 
     @classmethod
     def build(
@@ -53,45 +113,33 @@ class LogitAdjustments:
         outputs: list[list[int]],
         vocab_size: int,
         device: torch.device | str = "cpu",
+        staging: Staging | None = None,
     ) -> LogitAdjustments:
-        """The adjustments of a batch (per row: its params, prompt and committed output ids, each < V)."""
+        """The adjustments of a batch (per row: its params, prompt and committed output ids, each < V), sent in
+        one copy, or in ``staging``'s (then the adjustments are read only once it has sent)."""
+        own = staging is None
+        staging = Staging(device) if own else staging
+        shape = (len(params), vocab_size)
         adjusted = [b for b, p in enumerate(params) if p.adjusts_logits]  # the other rows stay zero: never read
-
-        def dense(tokens: dict[int, list[int]], values: dict[int, list[float]] | None = None) -> torch.Tensor:
-            """[B, V] float32: for row b, the sum over ``tokens[b]`` of ``values[b]`` (None: ones) at each id.
-
-            Summed on the device from the ids: the host sends the tokens, never a [B, V] table."""
-            ids = list(itertools.chain.from_iterable(tokens.values()))
-            lengths = int64_tensor([len(row) for row in tokens.values()], device)
-            rows = int64_tensor(list(tokens), device).repeat_interleave(lengths, output_size=len(ids))
-            weights = (
-                torch.ones(len(ids), device=device)
-                if values is None
-                else to_device(
-                    torch.tensor(list(itertools.chain.from_iterable(values.values())), dtype=torch.float32), device
-                )
-            )
-            table = torch.zeros(len(params), vocab_size, device=device)
-            return table.index_put_((rows, int64_tensor(ids, device)), weights, accumulate=True)
-
-        def per_row(name: str) -> torch.Tensor:
-            return to_device(torch.tensor([getattr(p, name) for p in params], dtype=torch.float32), device)
-
         biases = {b: params[b].logit_bias for b in adjusted if params[b].logit_bias}
         # Only the repetition penalty reads the prompt: with r = 1 being seen changes nothing.
         repeating = {b: prompts[b] for b in adjusted if params[b].repetition_penalty != 1}
-        return cls(
-            presence=per_row("presence_penalty"),
-            frequency=per_row("frequency_penalty"),
-            repetition=per_row("repetition_penalty"),
-            output_counts=dense({b: outputs[b] for b in adjusted}),
-            prompt_seen=dense(repeating) > 0 if repeating else None,
-            bias=dense(
-                {b: list(bias) for b, bias in biases.items()}, {b: list(bias.values()) for b, bias in biases.items()}
+        adjustments = cls(
+            *(staging.float32([getattr(p, name) for p in params]) for name in PENALTIES),
+            counted=TokenTable.stage(shape, {b: outputs[b] for b in adjusted}, None, staging),
+            prompted=TokenTable.stage(shape, repeating, None, staging) if repeating else None,
+            biased=TokenTable.stage(
+                shape,
+                {b: list(bias) for b, bias in biases.items()},
+                {b: list(bias.values()) for b, bias in biases.items()},
+                staging,
             )
             if biases
             else None,
         )
+        if own:
+            staging.send()
+        return adjustments
 
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """Adjusted logits of every verify position (module docstring).

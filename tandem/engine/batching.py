@@ -1,27 +1,91 @@
-"""The step's batches, built from its rows on the host: the ragged verify batch (step 1, merge) and
-the draft's input (step 6, propose).
+"""The step's batches, built from its rows on the host: the verify step's inputs (step 1, merge) and the
+draft's (step 6, propose).
 
-Spans are Python ints and ids cross to the device through `int64_tensor` (pinned, no wait), so
-building a batch never reads the device.
+Spans are Python ints, so building a batch never reads the device, and each phase's host values (the batch,
+the graph runner's plans, the drafts, the penalties' entries) cross to the device in one staged copy
+(`tandem.core.transfer.Staging`): a step copies to the device twice, once before the verify and once before
+the proposal.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from tandem.core.transfer import int64_tensor
+from tandem.core.transfer import Staging, int64_tensor
+from tandem.decoding.penalties import LogitAdjustments
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
+from tandem.engine import sampling
+from tandem.engine.graphs import GraphRunner
 from tandem.engine.request import Request
 from tandem.models.base import ForwardBatch, RowSpans
 
 
-def padded_drafts(rows: list[Request], k: int) -> torch.Tensor:
-    """The rows' pending drafts as ``[B, w]`` int64 on the host, ``w = max(k, longest row's drafts)`` (grammar-
-    forced drafts may go past k); a row with fewer pads them with PLACEHOLDER_TOKEN_ID (a plain step past its
-    drafts)."""
-    width = max([k, *(len(r.drafts) for r in rows)])
-    padded = [t for r in rows for t in [*r.drafts, *[PLACEHOLDER_TOKEN_ID] * (width - len(r.drafts))]]
-    return int64_tensor(padded).view(len(rows), width)
+@dataclass
+class VerifyInputs:
+    """What a verify step reads besides the logits, for its B rows of which B' verify (the others prefill a chunk).
+
+    batch:       the ragged verify batch; its logits indices keep ``k + 1`` rows per request (``[B * (k+1)]``)
+    verified:    [B'] int64, the rows of ``batch`` that verify; None when all do
+    host_drafts: [B', w] int64 on the host (the masks'), ``w = max(k_max, longest row's drafts)`` (grammar-forced
+                 drafts may go past k_max); a row with fewer pads them with PLACEHOLDER_TOKEN_ID
+    drafts:      [B', k] int64 on the device, the drafts this step verifies
+    adjustments: the verifying rows' penalties and logit biases (None: no row has any)
+    """
+
+    batch: ForwardBatch
+    verified: torch.Tensor | None
+    host_drafts: torch.Tensor
+    drafts: torch.Tensor
+    adjustments: LogitAdjustments | None
+
+
+def verify_inputs(
+    rows: list[Request],
+    k: int,
+    k_max: int,
+    held: list[int],
+    device: torch.device,
+    ends: list[int | None] | None = None,
+    *,
+    vocab_size: int,
+    runner: GraphRunner | None = None,
+) -> VerifyInputs:
+    """The verify step's inputs, in one copy with the plan of the graph runner's forward (graph mode's ``runner``).
+
+    Row ``b`` feeds its tokens from position ``held[b]`` (what its target cache holds) and its drafts: a
+    running row ``[t_last, *drafts]`` from ``len(tokens) - 1``; a new row its whole prompt, or what follows a
+    reused prefix; a preempted row its prompt and generated tokens again; a row prefilled in chunks only its
+    tokens up to ``ends[b]`` (None: all; such a row does not verify). A row with fewer than k drafts repeats its
+    last verify position's index to fill its k + 1.
+    """
+    ends = ends or [None] * len(rows)
+    ids, lengths, logit_index = [], [], []
+    for r, start, end in zip(rows, held, ends):
+        feed = [*r.tokens[start:end], *r.drafts]
+        first_logit = len(ids) + len(feed) - 1 - len(r.drafts)  # the position of t_last
+        logit_index.extend(first_logit + min(j, len(r.drafts)) for j in range(k + 1))
+        ids.extend(feed)
+        lengths.append(len(feed))
+    spans = RowSpans(list(held), lengths, [r.slot for r in rows])
+    staging = Staging(device)
+    batch = ForwardBatch.build(staging.int64(ids), spans, logits_indices=staging.int64(logit_index), staging=staging)
+    verified = [b for b, end in enumerate(ends) if end is None]
+    full = [rows[b] for b in verified]
+    width = max([k_max, *(len(r.drafts) for r in full)])
+    padded = [[*r.drafts, *[PLACEHOLDER_TOKEN_ID] * (width - len(r.drafts))] for r in full]
+    inputs = VerifyInputs(
+        batch=batch,
+        verified=None if len(full) == len(rows) else staging.int64(verified),
+        host_drafts=int64_tensor([t for row in padded for t in row]).view(len(full), width),
+        drafts=staging.int64([t for row in padded for t in row[:k]]).view(len(full), k),
+        adjustments=sampling.adjustments(full, vocab_size, device, staging),
+    )
+    if runner is not None:
+        runner.stage_forward(spans, staging)
+    staging.send()
+    return inputs
 
 
 def forced_draft_probs(probs: torch.Tensor | None, drafts: list[int], forced: list[bool]) -> torch.Tensor | None:
@@ -38,42 +102,27 @@ def forced_draft_probs(probs: torch.Tensor | None, drafts: list[int], forced: li
     return out
 
 
-def verify_batch(
-    rows: list[Request], k: int, held: list[int], device: torch.device, ends: list[int | None] | None = None
-) -> ForwardBatch:
-    """The ragged verify batch; its logits indices keep ``k + 1`` rows per request (``[B * (k+1)]``).
-
-    Row ``b`` feeds its tokens from position ``held[b]`` (what its target cache holds) and its drafts: a
-    running row ``[t_last, *drafts]`` from ``len(tokens) - 1``; a new row its whole prompt, or what follows a
-    reused prefix; a preempted row its prompt and generated tokens again; a row prefilled in chunks only its
-    tokens up to ``ends[b]`` (None: all). A row with fewer than k drafts repeats its last verify position's
-    index to fill its k + 1.
-    """
-    ids, lengths, logit_index = [], [], []
-    for r, start, end in zip(rows, held, ends or [None] * len(rows)):
-        feed = [*r.tokens[start:end], *r.drafts]
-        first_logit = len(ids) + len(feed) - 1 - len(r.drafts)  # the position of t_last
-        logit_index.extend(first_logit + min(j, len(r.drafts)) for j in range(k + 1))
-        ids.extend(feed)
-        lengths.append(len(feed))
-    spans = RowSpans(list(held), lengths, [r.slot for r in rows])
-    return ForwardBatch.build(int64_tensor(ids, device), spans, logits_indices=int64_tensor(logit_index, device))
-
-
 def draft_batch(
     live: list[Request],
     rows: list[Request],
     verify: ForwardBatch,
     hidden_all: torch.Tensor | None,
     device: torch.device,
-) -> tuple[ForwardBatch, torch.Tensor | None, list[torch.Tensor]]:
-    """What the draft reads after a commit, for the `live` rows among the verified `rows`:
+    *,
+    runner: GraphRunner | None = None,
+    num_steps: int = 0,
+    vocab_size: int | None = None,
+) -> tuple[ForwardBatch, torch.Tensor | None, list[torch.Tensor], LogitAdjustments | None]:
+    """What the draft reads after a commit, for the `live` rows among the verified `rows`, in one copy with the
+    plans of the graph runner's ``num_steps`` chained draft steps (graph mode's ``runner``):
 
     - the batch of each row's newly committed tokens, from the position after the verify's first (a prefill
       chunk's: those after each of its positions);
     - the target's hidden states (``hidden_all``, the verify's, or None) at the position before each
       of those tokens;
-    - each row's whole history of tokens (on the host: n-gram lookup).
+    - each row's whole history of tokens (on the host: n-gram lookup);
+    - with ``vocab_size``, the rows' penalties and logit biases over their committed output, which a draft that
+      chooses its tokens proposes under (None when no row has any, or without ``vocab_size``).
     """
     index = {id(r): b for b, r in enumerate(rows)}
     offsets = verify.spans.offsets()
@@ -88,6 +137,11 @@ def draft_batch(
         hidden_rows.extend(range(offsets[b], offsets[b] + len(new_tokens)))
         histories.append(int64_tensor(r.tokens))
     spans = RowSpans(starts, lengths, [r.slot for r in live])
-    batch = ForwardBatch.build(int64_tensor(ids, device), spans)
-    hidden = None if hidden_all is None else hidden_all[int64_tensor(hidden_rows, device)]
-    return batch, hidden, histories
+    staging = Staging(device)
+    batch = ForwardBatch.build(staging.int64(ids), spans, staging=staging)
+    hidden_index = None if hidden_all is None else staging.int64(hidden_rows)
+    adjustments = None if vocab_size is None else sampling.adjustments(live, vocab_size, device, staging)
+    if runner is not None and num_steps > 0:
+        runner.stage_draft(spans, num_steps, staging)
+    staging.send()
+    return batch, None if hidden_all is None else hidden_all[hidden_index], histories, adjustments

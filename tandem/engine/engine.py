@@ -5,7 +5,7 @@ One `step()` runs, for every running row (docs/DESIGN.md, "The speculative step"
 1. merge   per row, the tokens to verify: a new row feeds its whole prompt (no drafts), or its next
            chunk when the step's token budget cannot hold the rest (chunked prefill: nothing is sampled
            for it; the draft fills its cache over the chunk); a running row feeds
-           [t_last, d_0 .. d_{k_b-1}] at positions L-1 .. L-1+k_b (`batching.verify_batch`)
+           [t_last, d_0 .. d_{k_b-1}] at positions L-1 .. L-1+k_b (`batching.verify_inputs`)
 2. verify  one ragged target forward; logits at each row's k_b+1 verify positions
 3. masks   per-position grammar bitmasks and thinking phases for the draft window: the ones the
            draft's grammar walk built for these very drafts (step 6 of the previous step), else
@@ -56,7 +56,9 @@ and `logprobs` one at commit. Batches carry their rows' spans as Python ints and
 lengths on the host, so no forward reads the device back (`tests/models/test_host_planning.py`
 runs the providers on the meta device to hold that), and every host-to-device copy goes through
 pinned memory without waiting (`tandem.core.transfer`; `tests/engine/test_device_reads.py` counts the
-reads of a step on CUDA).
+reads of a step on CUDA). What the verify needs (batch, graph plan, drafts, penalties) and what the proposal
+needs each travel in one staged copy (`batching`; sampled rows add their sampling tables), so a greedy step
+copies to the device twice (`tests/engine/test_step_copies.py` counts them).
 """
 
 from __future__ import annotations
@@ -69,14 +71,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core.transfer import int64_tensor, to_device
+from tandem.core.transfer import int64_tensor
 from tandem.decoding.acceptance import AcceptanceResult, accept
 from tandem.decoding.logprobs import token_logprobs
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID, sample
 from tandem.engine import sampling
 from tandem.engine.adaptive import AdaptivePolicy, CostModel
-from tandem.engine.batching import draft_batch, forced_draft_probs, padded_drafts, verify_batch
+from tandem.engine.batching import VerifyInputs, draft_batch, forced_draft_probs, verify_inputs
 from tandem.engine.graphs import GraphRunner, resolve_capture_sizes, resolve_graph_mode
 from tandem.engine.kv_blocks import BlockPool, KVStats
 from tandem.engine.mask_pipeline import MaskPipeline
@@ -285,10 +287,13 @@ class Engine:
             return []
         k = self._step_k(rows)
         ends = [self.scheduler.chunk_ends.get(r.request_id) for r in rows]
-        batch = verify_batch(rows, k, [self.target_cache.lengths[r.slot] for r in rows], self.device, ends)
+        held = [self.target_cache.lengths[r.slot] for r in rows]
+        inputs = verify_inputs(
+            rows, k, self.k, held, self.device, ends, vocab_size=self.target.vocab_size, runner=self.runner
+        )
         self._step_started = time.perf_counter()
-        with torch_threads(self._threads_for(batch)):
-            return self._run_step(rows, batch, k, [b for b, end in enumerate(ends) if end is not None])
+        with torch_threads(self._threads_for(inputs.batch)):
+            return self._run_step(rows, inputs, k, [b for b, end in enumerate(ends) if end is not None])
 
     def _adaptive(self) -> bool:
         return self.policy is not None and self.config.adaptive
@@ -396,10 +401,11 @@ class Engine:
             return self.config.small_step_threads
         return None
 
-    def _run_step(self, rows: list[Request], batch: ForwardBatch, k: int, chunked: list[int]) -> list[StreamDelta]:
+    def _run_step(self, rows: list[Request], inputs: VerifyInputs, k: int, chunked: list[int]) -> list[StreamDelta]:
         """Steps 2-6 of the module docstring over `rows`, merged into `batch` with k positions per row. The rows
         at `chunked` prefill a chunk of their tokens: the forward writes their caches, and nothing else happens
         to them but the draft's pass over the chunk (`_fill_draft`)."""
+        batch = inputs.batch
         # A prefill's time says nothing of a verify's.
         prefill = any(start < len(r.tokens) - 1 for r, start in zip(rows, batch.spans.starts))
         verified = [b for b in range(len(rows)) if b not in chunked]
@@ -407,8 +413,8 @@ class Engine:
         want_hidden = self.draft is not None and self.draft.hidden_kind is not None
         deltas, pending_masks = [], None
         if full:
-            all_drafts = padded_drafts(full, self.k)  # [B, >= k] host: the masks cover k whatever this step verifies
-            pending_masks = self.step_masks.submit(full, all_drafts)
+            # [B, >= k] host: the masks cover k whatever this step verifies
+            pending_masks = self.step_masks.submit(full, inputs.host_drafts)
         out = self._forward(
             batch,
             return_hidden=want_hidden and self.draft.hidden_kind == "last",
@@ -417,10 +423,10 @@ class Engine:
         if full:
             logits = out.logits.view(len(rows), k + 1, -1)
             if chunked:
-                logits = logits[int64_tensor(verified, logits.device)]
+                logits = logits[inputs.verified]
             logits = self._mask_padding(logits)
-            drafts = to_device(all_drafts[:, :k], logits.device)
-            scores = sampling.adjusted(full, logits, drafts)
+            drafts = inputs.drafts
+            scores = logits if inputs.adjustments is None else inputs.adjustments.apply(logits, drafts)
             bitmask, in_thinking = self.step_masks.wait(pending_masks)
             if k < self.k:  # masks are built for k drafts; this step verifies fewer
                 bitmask = None if bitmask is None else bitmask[:, : k + 1]
@@ -445,7 +451,7 @@ class Engine:
         hidden state at it, as a proposal's first pass writes them (eagerly, its one token unread), so the draft
         cache is whole when the last chunk's step proposes."""
         hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
-        draft_ids, hidden, histories = draft_batch(chunked, rows, batch, hidden_all, self.device)
+        draft_ids, hidden, histories, _ = draft_batch(chunked, rows, batch, hidden_all, self.device)
         self.draft_cache.truncate(draft_ids.spans.slots, draft_ids.spans.starts)
         self.draft.propose(DraftInput(draft_ids, hidden, histories), self.draft_cache, 1)
 
@@ -554,11 +560,19 @@ class Engine:
         and probs [B, k, V] (None: deterministic)."""
         started = time.perf_counter()
         hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
-        draft_ids, hidden, histories = draft_batch(live, rows, batch, hidden_all, self.device)
+        follows = self.draft.follows_constraint
+        draft_ids, hidden, histories, adjustments = draft_batch(
+            live,
+            rows,
+            batch,
+            hidden_all,
+            self.device,
+            runner=self.runner,
+            num_steps=self.k,
+            vocab_size=self.target.vocab_size if follows else None,
+        )
         if self.draft_cache is not None:
             self.draft_cache.truncate(draft_ids.spans.slots, draft_ids.spans.starts)
-        follows = self.draft.follows_constraint
-        adjustments = sampling.adjustments(live, self.target.vocab_size, self.device) if follows else None
         adjust = None if adjustments is None else adjustments.apply_after
         if follows and self.vocab_limit < self.target.vocab_size:  # never draft a padded id
             adjust = self._mask_padding if adjustments is None else self._padded_adjust(adjustments.apply_after)

@@ -5,8 +5,11 @@ capture size (``EngineConfig.capture_sizes``, default 1, 2, 4, ... ``max_num_seq
 next static width (1, or ``k + 1`` for a verify and a draft's first pass over newly committed
 tokens). Each ``(bucket, width)`` gets one graph, built on first use, that reads persistent buffers
 (token ids, positions, write indices, row slots, the draft's hidden inputs, and the caches' block
-table) which every step fills, so a graph reads the same addresses at every replay. The body is the
-providers' tensor half (``Target.forward_layout``, a chained draft's ``step_layout``) over
+table) which every step fills, so a graph reads the same addresses at every replay. What fills them is
+planned on the host ahead and travels in the step's staged copies (``stage_forward`` with the verify
+batch, ``stage_draft`` with the draft's batch for all of a proposal's steps; `core.transfer.Staging`),
+so a replay copies on the device, not from the host. The body is the providers' tensor half
+(``Target.forward_layout``, a chained draft's ``step_layout``) over
 :meth:`~tandem.models.attention.RaggedLayout.static`: writes scattered through the block table, each
 row's blocks gathered and its keys masked by position. Padding rows read a scratch slot past the
 engine's (``GraphRunner.SCRATCH_SLOTS``), whose table holds only the scratch block, and padding
@@ -39,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tandem.core.transfer import int64_tensor
+from tandem.core.transfer import Staging
 from tandem.models.attention import RaggedLayout
 from tandem.models.base import ForwardBatch, KVCache, RowSpans, TargetOutput
 
@@ -127,6 +130,7 @@ class GraphRunner:
         )
         self.compile_s, self.fallbacks, self.replays = 0.0, 0, 0
         self._graphs: dict[tuple, Graph] = {}
+        self._staged: dict[tuple, Tensor] = {}  # plans sent ahead (stage_forward, stage_draft), by _plan_key
         self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
 
     # ---------------------------------------------------------------- the two entry points
@@ -168,6 +172,32 @@ class GraphRunner:
         return _rows(out, grid)
 
     # ---------------------------------------------------------------- host planning
+    def stage_forward(self, spans: RowSpans, staging: Staging) -> None:
+        """Plan the target forward over ``spans`` ahead: its plan (and the block table, if it changed) travels in
+        ``staging``'s copy, which must be sent before the forward. Replaces what was staged before."""
+        self._stage([spans], self.target_cache, staging)
+
+    def stage_draft(self, spans: RowSpans, num_steps: int, staging: Staging) -> None:
+        """Plan ahead a chained proposal's ``num_steps`` draft steps: the first over ``spans``, each next one a
+        token per row past the last (``ForwardBatch.following``), as :meth:`stage_forward` does."""
+        chain = [spans]
+        for _ in range(num_steps - 1):
+            chain.append(RowSpans(chain[-1].ends(), [1] * len(spans.slots), spans.slots))
+        self._stage(chain if self.draft_step is not None else [], self.draft_cache, staging)
+
+    def _stage(self, chain: list[RowSpans], cache: KVCache | None, staging: Staging) -> None:
+        self.table.sync(staging)
+        self._staged = {}
+        for spans in chain:
+            shape = self._shape(spans)
+            if shape is not None:
+                key = self._plan_key(spans, cache.first_position)
+                self._staged[key] = staging.int64(self._plan(spans, shape, cache.first_position))
+
+    def _plan_key(self, spans: RowSpans, first_position: int) -> tuple:
+        """What a plan depends on: the rows, the cache's first position and the block table's rows."""
+        return tuple(spans.starts), tuple(spans.lengths), tuple(spans.slots), first_position, self.table.version
+
     def _shape(self, spans: RowSpans) -> tuple[int, int] | None:
         """``(bucket, width)`` of a step with these rows, or None when none fits."""
         rows, longest = len(spans.slots), max(spans.lengths)
@@ -175,14 +205,15 @@ class GraphRunner:
         width = next((w for w in self.widths if w >= longest), None)
         return None if bucket is None or width is None else (bucket, width)
 
-    def _load(self, batch: ForwardBatch, shape: tuple[int, int], first_position: int) -> Tensor | None:
-        """Fill the buffers for ``batch`` padded to ``shape``; returns each token's index in the grid ``[T]``
-        (None when the batch fills the grid in order). One host-to-device copy, no device read.
+    def _plan(self, spans: RowSpans, shape: tuple[int, int], first_position: int) -> list[int]:
+        """The buffers' values for rows ``spans`` padded to ``shape``: positions ``[B_bucket * Q]``, write indices
+        ``[B_bucket * Q]``, slots ``[B_bucket]``, then, unless the batch fills the grid in order, each token's
+        index in the grid ``[T]``.
 
         A padding token repeats its row's last position and writes to the scratch block; a padding
         row reads the scratch slot's blocks (the scratch block) at ``first_position``, the one key it
         writes there itself."""
-        (rows, width), spans, table = shape, batch.spans, self.table
+        (rows, width), table = shape, self.table
         scratch = table.scratch_block * table.block_size
         positions, writes, grid = [], [], []
         for b, (start, n, slot) in enumerate(zip(spans.starts, spans.lengths, spans.slots)):
@@ -194,16 +225,26 @@ class GraphRunner:
         positions += [first_position] * padding
         writes += [scratch + first_position % table.block_size] * padding
         slots = spans.slots + [self.scratch] * (rows - len(spans.slots))
-        in_order = len(grid) == rows * width
-        table.sync()
-        host = int64_tensor(positions + writes + slots + ([] if in_order else grid), self.device)
+        return positions + writes + slots + ([] if len(grid) == rows * width else grid)
+
+    def _load(self, batch: ForwardBatch, shape: tuple[int, int], first_position: int) -> Tensor | None:
+        """Fill the buffers for ``batch`` padded to ``shape``; returns each token's index in the grid ``[T]``
+        (None when the batch fills the grid in order). Its plan was sent ahead (:meth:`stage_forward`,
+        :meth:`stage_draft`), or goes now in one copy; no device read."""
+        rows, width = shape
+        plan = self._staged.pop(self._plan_key(batch.spans, first_position), None)
+        if plan is None:
+            staging = Staging(self.device)
+            self.table.sync(staging)
+            plan = staging.int64(self._plan(batch.spans, shape, first_position))
+            staging.send()
         size = 2 * rows * width + rows
-        self.plan[:size].copy_(host[:size])
+        self.plan[:size].copy_(plan[:size])
         ids = self.input_ids[: rows * width]
-        if in_order:
+        if len(plan) == size:
             ids.copy_(batch.input_ids)
             return None
-        index = host[size:]
+        index = plan[size:]
         ids[index] = batch.input_ids
         return index
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 import torch
 
 from tandem.core.rng import derive_seeds
+from tandem.core.transfer import Staging
 from tandem.decoding.params import SamplingTensors, batch_sampling
 from tandem.decoding.penalties import LogitAdjustments
 from tandem.engine.request import Request
 
 
-def adjustments(rows: list[Request], vocab_size: int, device: torch.device) -> LogitAdjustments | None:
-    """The rows' penalties and logit biases over their committed output (`decoding.penalties`);
-    None when no row asks for any (such steps pay nothing)."""
+def adjustments(
+    rows: list[Request], vocab_size: int, device: torch.device, staging: Staging | None = None
+) -> LogitAdjustments | None:
+    """The rows' penalties and logit biases over their committed output (`decoding.penalties`), sent in one copy
+    or in ``staging``'s; None when no row asks for any (such steps pay nothing)."""
     if not any(r.params.adjusts_logits for r in rows):
         return None
     return LogitAdjustments.build(
@@ -27,13 +30,8 @@ def adjustments(rows: list[Request], vocab_size: int, device: torch.device) -> L
         [r.tokens[len(r.prompt) :] for r in rows],
         vocab_size,
         device,
+        staging,
     )
-
-
-def adjusted(rows: list[Request], logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-    """The logits [B, k+1, V] with each row's adjustments applied; the model's own when none."""
-    row_adjustments = adjustments(rows, logits.shape[-1], logits.device)
-    return logits if row_adjustments is None else row_adjustments.apply(logits, drafts)
 
 
 def sampling_tensors(rows: list[Request], device: torch.device) -> SamplingTensors | None:

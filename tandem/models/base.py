@@ -43,7 +43,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from tandem.core.transfer import int64_tensor
+from tandem.core.transfer import Staging, int64_tensor
 from tandem.models.config import TargetConfig
 
 
@@ -88,22 +88,34 @@ class ForwardBatch:
         return len(self.input_ids)
 
     @classmethod
-    def build(cls, input_ids: Tensor, spans: RowSpans, *, logits_indices: Tensor | None = None) -> ForwardBatch:
-        """The batch of ``input_ids [T]`` laid out as ``spans`` (positions, offsets and slots follow on its device)."""
+    def build(
+        cls,
+        input_ids: Tensor,
+        spans: RowSpans,
+        *,
+        logits_indices: Tensor | None = None,
+        staging: Staging | None = None,
+    ) -> ForwardBatch:
+        """The batch of ``input_ids [T]`` laid out as ``spans`` (positions, offsets and slots follow on its device,
+        in one copy; with ``staging``, in its copy, and the batch is read only once it has sent)."""
         if not (len(spans.starts) == len(spans.lengths) == len(spans.slots)):
             raise ValueError(f"starts, lengths and slots differ in length: {spans}")
         if sum(spans.lengths) != len(input_ids):
             raise ValueError(f"{len(input_ids)} input ids for rows of lengths {spans.lengths}")
-        device = input_ids.device
+        own = staging is None
+        staging = Staging(input_ids.device) if own else staging
         positions = [s + i for s, n in zip(spans.starts, spans.lengths) for i in range(n)]
-        return cls(
+        batch = cls(
             input_ids=input_ids,
-            positions=int64_tensor(positions, device),
-            row_offsets=int64_tensor(spans.offsets(), device),
-            slots=int64_tensor(spans.slots, device),
+            positions=staging.int64(positions),
+            row_offsets=staging.int64(spans.offsets()),
+            slots=staging.int64(spans.slots),
             spans=spans,
             logits_indices=logits_indices,
         )
+        if own:
+            staging.send()
+        return batch
 
     @classmethod
     def from_rows(
@@ -118,11 +130,15 @@ class ForwardBatch:
         """Build a batch from per-row token lists ``rows[b]`` placed at ``starts[b], starts[b]+1, ...``."""
         if not (len(rows) == len(starts) == len(slots)):
             raise ValueError(f"rows, starts and slots differ in length: {len(rows)}, {len(starts)}, {len(slots)}")
-        return cls.build(
-            int64_tensor([t for row in rows for t in row], device),
+        staging = Staging(device if device is not None else "cpu")  # one copy for the whole batch
+        batch = cls.build(
+            staging.int64([t for row in rows for t in row]),
             RowSpans(list(starts), [len(row) for row in rows], list(slots)),
-            logits_indices=None if logits_indices is None else int64_tensor(logits_indices, device),
+            logits_indices=None if logits_indices is None else staging.int64(logits_indices),
+            staging=staging,
         )
+        staging.send()
+        return batch
 
     def following(self, input_ids: Tensor) -> ForwardBatch:
         """One token per row, ``input_ids [B]``, at the position after each row's last (chained drafting).
@@ -200,12 +216,16 @@ class BlockTable:
         self._dirty = True
         self.version += 1
 
-    def sync(self) -> Tensor:
-        """:attr:`tensor` with the host rows copied in if they changed (one copy, no device read)."""
+    def sync(self, staging: Staging | None = None) -> Tensor:
+        """:attr:`tensor` with the host rows copied in if they changed (one copy, no device read; with ``staging``,
+        in its copy: the table is read only once it has sent)."""
         if self._dirty:
             pad = [self.scratch_block] * self.max_blocks
             flat = [b for row in self.rows for b in (row + pad)[: self.max_blocks]]
-            self.tensor.copy_(int64_tensor(flat, self.tensor.device).view_as(self.tensor))
+            if staging is None:
+                self.tensor.copy_(int64_tensor(flat, self.tensor.device).view_as(self.tensor))
+            else:
+                staging.int64(flat, into=self.tensor)
             self._dirty = False
         return self.tensor
 

@@ -59,6 +59,25 @@ def test_a_speculative_step_reads_the_device_twice(model, draft, dtype, batch):
         assert len(reads) == 2, "\n".join(reads)
 
 
+def test_a_penalised_step_reads_the_device_twice():
+    """Penalties and a logit bias add no read: their tables are summed on the device from the sent ids
+    (`decoding.penalties.TokenTable.dense`: scatter_add_, not index_put_ with accumulate, which may synchronise), for
+    the verify and for the draft that proposes under them; a sampled row's tables add none either."""
+    llm = LLM("demo-llama", "eagle3", num_speculative_tokens=4, device="cuda", dtype=torch.float32, max_num_seqs=2)
+    engine = llm.engine
+    penalised = [
+        SamplingParams(max_tokens=64, repetition_penalty=1.3, logit_bias={11: 2.0, 12: -3.0}),
+        SamplingParams(max_tokens=64, temperature=0.7, seed=5, frequency_penalty=0.4, logit_bias={13: 1.0}),
+    ]
+    for example, params in zip(generate_examples(2, seed=3, split="heldout"), penalised):
+        engine.add_request(chat_prompt_ids(llm.tokenizer, example.messages, example.tools), params)
+    for _ in range(3):  # prefill, then the first speculative steps: graphs captured, caches warm
+        engine.step()
+    for _ in range(3):
+        reads = _device_reads(engine)
+        assert len(reads) == 2, "\n".join(reads)
+
+
 def _cudnn_kernels(run) -> list[str]:
     """The names of the cuDNN kernels that ``run()`` launched."""
     from torch.profiler import ProfilerActivity, profile
