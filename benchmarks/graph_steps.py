@@ -37,7 +37,8 @@ from tandem.models.loading import DTYPES
 PAIRS = {"demo-llama": "eagle3", "demo-deepseek": "mtp"}
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -51,7 +52,7 @@ def _device_ms(engine, steps: int) -> float:
     """The device's busy milliseconds per step over ``steps`` profiled steps."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _steps(engine, steps)
-        _sync(engine.device)
+        sync(engine.device)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -77,10 +78,10 @@ def measure_case(engine, prompts: list[list[int]], args) -> dict:
     _steps(engine, args.warmup)
     runner = engine.runner
     built = runner.compile_s if runner is not None else 0.0
-    _sync(engine.device)
+    sync(engine.device)
     start = time.perf_counter()
     tokens = _steps(engine, args.steps)
-    _sync(engine.device)
+    sync(engine.device)
     wall_ms = (time.perf_counter() - start) * 1000 / args.steps
     row = {
         "wall_ms": round(wall_ms, 3),

@@ -28,7 +28,7 @@ import time
 from types import SimpleNamespace
 
 import torch
-from graph_steps import measure_case
+from graph_steps import measure_case, sync
 
 from tandem import SamplingParams
 from tandem.engine.engine import Engine, EngineConfig
@@ -101,13 +101,11 @@ def tandem_engine(target, tokenizer, mode: str, max_len: int) -> Engine:
 def end_to_end_s(engine: Engine, prompt: list[int], tokens: int) -> float:
     """Seconds for ``tokens`` new tokens after ``prompt`` (prefill included), through any EOS."""
     engine.add_request(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    sync(engine.device)
     start = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    sync(engine.device)
     return time.perf_counter() - start
 
 
@@ -115,10 +113,10 @@ def transformers_tokens_per_s(model, prompt: list[int], tokens: int) -> float:
     ids = torch.tensor([prompt], device=model.device)
     kwargs = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, "cache_implementation": "static"}
     model.generate(ids, **kwargs)  # compiles
-    torch.cuda.synchronize() if model.device.type == "cuda" else None
+    sync(model.device)
     start = time.perf_counter()
     out = model.generate(ids, **kwargs)
-    torch.cuda.synchronize() if model.device.type == "cuda" else None
+    sync(model.device)
     return (out.shape[1] - len(prompt)) / (time.perf_counter() - start)
 
 

@@ -180,10 +180,10 @@ class GraphRunner:
     def stage_draft(self, spans: RowSpans, num_steps: int, staging: Staging) -> None:
         """Plan ahead a chained proposal's ``num_steps`` draft steps: the first over ``spans``, each next one a
         token per row past the last (``ForwardBatch.following``), as :meth:`stage_forward` does."""
-        chain = [spans]
-        for _ in range(num_steps - 1):
+        chain = [spans] if self.draft_step is not None else []  # a draft that is not chained runs no graph
+        for _ in range(num_steps - 1 if chain else 0):
             chain.append(RowSpans(chain[-1].ends(), [1] * len(spans.slots), spans.slots))
-        self._stage(chain if self.draft_step is not None else [], self.draft_cache, staging)
+        self._stage(chain, self.draft_cache, staging)
 
     def _stage(self, chain: list[RowSpans], cache: KVCache | None, staging: Staging) -> None:
         self.table.sync(staging)

@@ -34,6 +34,7 @@ path, the reference the kernel is tested against, until the kernel has been run 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -78,9 +79,7 @@ def sdpa(
     query: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, *, scale: float, enable_gqa: bool = False
 ) -> Tensor:
     """``F.scaled_dot_product_attention`` (``attn_mask=mask``), on CUDA among :data:`CUDA_SDPA_BACKENDS` only."""
-    if query.device.type != "cuda":
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    with sdpa_kernel(CUDA_SDPA_BACKENDS):
+    with sdpa_kernel(CUDA_SDPA_BACKENDS) if query.device.type == "cuda" else contextlib.nullcontext():
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
