@@ -24,14 +24,13 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
 from tandem.core.bitmask import pack_bitmask
+from tandem.core.timing import median_wall_us
 from tandem.decoding import SamplingTensors, accept
 
 MODES = ("greedy", "stochastic", "masked")
@@ -85,13 +84,7 @@ def time_call(fn: Callable[[], object], iters: int) -> float:
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=25, rep=max(iters, 1) * 2, return_mode="median") * 1000
-    fn()
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(samples)
+    return median_wall_us(fn, iters)
 
 
 def graph_time(fn: Callable[[], object]) -> float | None:

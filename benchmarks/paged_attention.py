@@ -4,6 +4,7 @@
     python benchmarks/paged_attention.py         # CUDA: Llama-3-8B's heads, bfloat16, contexts 1k to 16k
     python benchmarks/paged_attention.py --device cpu --heads 4 --kv-heads 2 --head-dim 16 --contexts 64 \\
         --batch-sizes 2 --max-len 128 --iters 1           # a smoke run: Triton under its interpreter
+    python benchmarks/paged_attention.py --mla --heads 128 --head-dim 576 --value-dim 512   # DeepSeek-V3's MLA
 
 Cases: decode (one query per row), verify (``k + 1`` queries, causal) and, in the eager layout, a prefill chunk
 (``--prefill`` queries, causal; graph mode runs prefills eagerly), rows of ``context`` keys each in
@@ -12,6 +13,8 @@ window the batch's longest row) and ``graph`` (:meth:`RaggedLayout.static`, as g
 row's whole table of ``--max-len`` positions, masked by position). On CUDA ``kernel_us`` and ``torch_us`` are
 the device's time per call (the call replayed from a CUDA graph, triton's ``do_bench_cudagraph``); on the CPU
 they are wall times under the interpreter, not a measurement. ``max_abs_diff``: the two paths' outputs apart.
+With ``--mla``, the attention is DeepSeek-V3's absorbed MLA (``attend_latent``): every query head over one latent
+head of ``--head-dim`` entries, whose first ``--value-dim`` are the values.
 """
 
 from __future__ import annotations
@@ -19,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -51,22 +52,20 @@ def make_layout(kind: str, pool: torch.Tensor, batch: int, width: int, context: 
 
 def time_us(fn: Callable[[], object], iters: int, cuda: bool) -> float:
     """Median microseconds per call: on CUDA the device's (CUDA-graph replays), else wall time."""
-    fn()  # compiles the kernel and builds the layout's mask before any capture
-    if cuda:
-        import triton.testing
+    if not cuda:
+        from tandem.core.timing import median_wall_us
 
-        return triton.testing.do_bench_cudagraph(fn, rep=max(iters, 10), return_mode="median") * 1000
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(samples)
+        return median_wall_us(fn, iters)
+    import triton.testing
+
+    fn()  # compiles the kernel and builds the layout's mask before the capture
+    return triton.testing.do_bench_cudagraph(fn, rep=max(iters, 10), return_mode="median") * 1000
 
 
 def measure(layout, pool: torch.Tensor, args: argparse.Namespace) -> dict:
     """The two paths' times over ``layout`` (one query per token of its grid) and how far apart they are."""
     from tandem.models import attention
+    from tandem.models.deepseek_v3 import attend_latent
 
     cuda = pool.device.type == "cuda"
     q = torch.randn(layout.num_rows * layout.max_query, args.heads, args.head_dim, device=pool.device, dtype=pool.dtype)
@@ -75,6 +74,8 @@ def measure(layout, pool: torch.Tensor, args: argparse.Namespace) -> dict:
         attention.attention_backend = backend
 
         def call():
+            if args.mla:
+                return attend_latent(layout, q, pool, args.value_dim, args.head_dim**-0.5)
             return layout.attend(q, pool, args.head_dim**-0.5)
 
         row[name] = round(time_us(call, args.iters, cuda), 1)
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", choices=["eager", "graph"], default=["eager", "graph"])
     parser.add_argument("--prefill", type=int, default=512, help="a prefill chunk's tokens per row (eager; 0: none)")
     parser.add_argument("--iters", type=int, default=20, help="CPU: timed calls; CUDA: milliseconds of replays")
+    parser.add_argument("--mla", action="store_true", help="MLA's latent cache: one head, the values its first entries")
+    parser.add_argument("--value-dim", type=int, default=512, help="--mla: the latent entries that are the values")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if not cuda:
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for kind in args.layouts:
             for batch in args.batch_sizes:
-                pool_shape = (batch * -(-args.max_len // args.block_size) + 1, args.block_size, 2, args.kv_heads)
+                pool_shape = (batch * -(-args.max_len // args.block_size) + 1, args.block_size)
+                pool_shape += () if args.mla else (2, args.kv_heads)
                 pool = torch.randn(*pool_shape, args.head_dim, device=args.device, dtype=dtype)
                 for context in args.contexts:
                     prefill = [args.prefill] if kind == "eager" and 0 < args.prefill <= context else []
@@ -129,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "dtype": args.dtype,
         "heads": args.heads,
-        "kv_heads": args.kv_heads,
+        "kv_heads": 1 if args.mla else args.kv_heads,
         "head_dim": args.head_dim,
+        "mla_value_dim": args.value_dim if args.mla else None,
         "block_size": args.block_size,
         "max_len": args.max_len,
         "results": results,

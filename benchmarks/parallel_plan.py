@@ -13,7 +13,9 @@ are what tandem's own layers send, not a formula beside them:
 - KV cache: bytes per position of a row on the rank that holds it (DeepSeek: the rank that owns the row);
 - sent: bytes each rank sends per step with ring collectives (an all-reduce of B bytes sends 2 (N - 1) / N B,
   an all-gather of N pieces of B bytes sends (N - 1) B), plus what the driver sends the workers (the token ids,
-  as int64; the pickled control message is a few hundred bytes more).
+  as int64; the pickled control message is a few hundred bytes more);
+- DeepSeek-V3's MTP draft, which follows the target's layout: its layer's bytes on the rank, and what one chained
+  draft pass over ``batch`` rows of one token sends (the driver's broadcast of the chosen ids included).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import Tensor
 from tandem.models.base import ForwardBatch
 from tandem.models.config import DeepseekV3Config, LlamaConfig
 from tandem.models.deepseek_v3 import DeepseekV3
+from tandem.models.drafts.mtp import MultiTokenPredictor
 from tandem.models.llama3 import Llama3
 from tandem.models.parallel import Shard
 
@@ -114,6 +117,19 @@ def step_bytes(model, shard: CountingShard, rows: int, per_row: int) -> int:
     return sum(shard.sent) + ids
 
 
+def draft_pass_bytes(draft: MultiTokenPredictor, shard: CountingShard, rows: int) -> int:
+    """Bytes one rank sends in a chained MTP pass of ``rows`` rows of one token after a 16-token first pass."""
+    cache = draft.new_cache(rows * shard.size, 32)
+    slots = list(range(rows))
+    hidden = torch.empty(rows * 16, draft.eh_proj.out_features, dtype=torch.bfloat16, device="meta")
+    draft.step(ForwardBatch.from_rows([[1] * 16] * rows, [1] * rows, slots, device="meta"), hidden, cache)
+    shard.sent.clear()
+    batch = ForwardBatch.from_rows([[1]] * rows, [17] * rows, slots, device="meta")
+    draft.step(batch, hidden[:rows], cache)
+    ids = rows * 8 * (shard.size - 1) if shard.rank == 0 else 0
+    return sum(shard.sent) + ids
+
+
 def plan(name: str, model_class, config_class, raw: dict, shard: Shard, batches: list[int], k: int) -> dict:
     config = config_class.from_dict(raw)
     ranks = {}
@@ -125,6 +141,11 @@ def plan(name: str, model_class, config_class, raw: dict, shard: Shard, batches:
         for batch in batches:
             entry[f"decode_batch{batch}_sent_kb"] = round(step_bytes(model, counting, batch, 1) / 1e3, 1)
             entry[f"verify_k{k}_batch{batch}_sent_kb"] = round(step_bytes(model, counting, batch, k + 1) / 1e3, 1)
+        if getattr(config, "num_nextn_predict_layers", 0):
+            draft = MultiTokenPredictor(config, model, dtype=torch.bfloat16, device="meta", shard=counting)
+            entry["mtp_weight_gb"] = round(sum(p.nbytes for p in draft.parameters()) / 1e9, 3)
+            for batch in batches:
+                entry[f"mtp_pass_batch{batch}_sent_kb"] = round(draft_pass_bytes(draft, counting, batch) / 1e3, 1)
         ranks["rank0" if rank == 0 else "other_ranks"] = entry
     layout = {"tensor_parallel_size": shard.size}
     if shard.data_parallel_attention:

@@ -14,7 +14,7 @@ from tandem.assets import ASSETS_DIR, DEFAULT_MODEL
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
 from tandem.engine import Engine, EngineConfig
 from tandem.engine.output import RequestOutput, StreamDelta
-from tandem.engine.replicas import ReplicatedEngine, replica_devices
+from tandem.engine.replicas import ReplicaProcesses, ReplicatedEngine, replica_devices
 from tandem.engine.workers import ParallelConfig, Workers
 from tandem.models import hub
 from tandem.models.parallel import SINGLE
@@ -39,11 +39,14 @@ class LLM:
         compiled graphs (CUDA graphs on a GPU, inductor on the CPU); "auto" picks per device type
         (:class:`tandem.engine.EngineConfig`).
     capture_sizes: the batch sizes graphs are built for (None: 1, 2, 4, ... up to max_num_seqs).
-    kv_cache_memory: bytes of paged KV cache, target and draft entries together (None: what max_num_seqs rows
-        of max_model_len take); block_size: positions per KV block; enable_prefix_caching: a prompt reuses
-        the cached blocks of its longest prefix seen before (`Engine.kv_stats` counts the hits).
+    kv_cache_memory: bytes of paged KV cache per rank, target and draft entries together (None: what max_num_seqs
+        rows of max_model_len take; under DeepSeek-V3's data-parallel attention each rank holds its own rows'
+        blocks, so N ranks hold N times the rows); block_size: positions per KV block; enable_prefix_caching: a
+        prompt reuses the cached blocks of its longest prefix seen before (`Engine.kv_stats` counts the hits).
     max_num_batched_tokens: the tokens one step feeds; a longer prefill goes in chunks between the running
         rows' steps (None: whole prompts in one step).
+    adaptive: choose each greedy row's drafts per step (0..num_speculative_tokens) from its acceptance and the
+        measured cost of a verify (:mod:`tandem.engine.adaptive`); False: always num_speculative_tokens.
     tensor_parallel_size, data_parallel_size, enable_expert_parallel: the target over several processes
         (:class:`tandem.engine.workers.ParallelConfig`): Llama 3 tensor-parallel, DeepSeek-V3 with data-parallel
         attention and, with enable_expert_parallel, whole experts per rank. This process drives the engine and
@@ -51,7 +54,9 @@ class LLM:
         :meth:`close` (or at exit). For a Llama model data_parallel_size means engine replicas
         (:class:`tandem.engine.replicas.ReplicatedEngine`): this engine and data_parallel_size - 1 processes with
         their own, requests balanced across them; with tensor_parallel_size each replica is a tensor-parallel
-        engine of its own (on CUDA replica r holds GPUs r * tp to r * tp + tp - 1).
+        engine of its own (on CUDA replica r holds GPUs r * tp to r * tp + tp - 1). Every replica takes every
+        setting given here; they start side by side. parallel_timeout_s: how long a collective or a worker's
+        answer may take before the engine ends naming the rank (:attr:`ParallelConfig.timeout_s`).
     """
 
     def __init__(
@@ -73,9 +78,11 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int | None = 2048,
+        adaptive: bool = True,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
+        parallel_timeout_s: float = ParallelConfig.timeout_s,
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name != "self"}  # a replica's, below
         from transformers import AutoTokenizer
@@ -94,8 +101,13 @@ class LLM:
         if config.get("model_type") == "llama" and data_parallel_size > 1:
             devices = [str(d) for d in replica_devices(data_parallel_size, tensor_parallel_size, torch.device(device))]
             device, data_parallel_size = devices[0], 1
-        parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
-        parallel.check(config, torch.device(device), graph_mode)
+        parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel, parallel_timeout_s)
+        parallel.check(config, torch.device(device))
+        replicas = None
+        if len(devices) > 1:  # started first: they build their engines while this process builds replica 0's
+            settings = arguments | {"model": str(self.model_path), "revision": None, "data_parallel_size": 1}
+            replicas = ReplicaProcesses([functools.partial(LLM, **settings | {"device": d}) for d in devices[1:]])
+            weakref.finalize(self, replicas.close)
         self.workers: Workers | None = None
         shard = SINGLE
         if parallel.world_size > 1:
@@ -105,7 +117,10 @@ class LLM:
         self.target = load_target(self.model_path, dtype=dtype, device=device, shard=shard)
         self.draft = None
         if draft is not None:
-            self.draft = load_draft(resolve_draft(draft, self.model_path), self.target, dtype=dtype, device=device)
+            source = resolve_draft(draft, self.model_path)
+            self.draft = load_draft(source, self.target, dtype=dtype, device=device)
+            if self.workers is not None and getattr(self.draft, "shard", SINGLE).parallel:  # the target's layout (MTP)
+                self.workers.load_draft(source, dtype, narrow)
         if narrow:
             for model in (self.target, self.draft):
                 if isinstance(model, torch.nn.Module):
@@ -127,21 +142,13 @@ class LLM:
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,
                 max_num_batched_tokens=max_num_batched_tokens,
+                adaptive=adaptive,
                 eos_token_ids=generation_eos_ids(self.model_path),
             ),
             self.workers,
         )
-        if len(devices) > 1:
-            builds = [
-                functools.partial(
-                    LLM,
-                    **arguments
-                    | {"model": str(self.model_path), "revision": None, "data_parallel_size": 1, "device": replica},
-                )
-                for replica in devices[1:]
-            ]
-            self.engine = ReplicatedEngine(self.engine, builds)
-            weakref.finalize(self, self.engine.close)
+        if replicas is not None:
+            self.engine = ReplicatedEngine(self.engine, replicas)
 
     def close(self) -> None:
         """Stop the worker processes of a parallel target and the other engine replicas (nothing to do on one

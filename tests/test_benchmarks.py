@@ -3,9 +3,12 @@
 import asyncio
 import copy
 import importlib.util
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from unittest.mock import patch
+
+import pytest
 
 
 def _script(name: str):
@@ -13,7 +16,7 @@ def _script(name: str):
     pass for Hugging Face's `kernels` package, which transformers looks for."""
     path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -123,7 +126,8 @@ def test_the_large_target_benchmark_hands_tandem_the_transformers_weights(monkey
     torch.testing.assert_close(out.logits, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_the_paged_attention_benchmark_times_both_paths_in_both_layouts_at_tiny_shapes(capsys):
+@pytest.mark.parametrize("attention_kind", ["", "--mla --head-dim 40 --value-dim 32"], ids=["kv", "mla"])
+def test_the_paged_attention_benchmark_times_both_paths_in_both_layouts_at_tiny_shapes(capsys, attention_kind):
     import json
 
     import torch
@@ -134,9 +138,36 @@ def test_the_paged_attention_benchmark_times_both_paths_in_both_layouts_at_tiny_
     chosen = attention.attention_backend
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU's kernel: Triton's interpreter
     tiny = "--heads 4 --kv-heads 2 --head-dim 16 --contexts 40 --batch-sizes 2 --max-len 64 --iters 1"
-    assert paged_attention.main([*tiny.split(), "--device", device, "--dtype", "float32"]) == 0
+    assert paged_attention.main([*tiny.split(), *attention_kind.split(), "--device", device, "--dtype", "float32"]) == 0
     rows = json.loads(capsys.readouterr().out)["results"]
     cases = [(layout, step) for layout in ("eager", "graph") for step in ("decode", "verify")]
     assert [(r["layout"], r["step"]) for r in rows] == cases
     assert all(r["torch_us"] > 0 and r["kernel_us"] > 0 and r["max_abs_diff"] < 1e-5 for r in rows)
     assert attention.attention_backend == chosen
+
+
+def test_the_paper_plan_counts_the_mtp_layer_split_with_the_target():
+    """On the demo DeepSeek-V3's shapes, widened: the MTP layer each of 2 ranks holds is about half the whole one's (its
+    norms and projection stay whole), and a chained draft pass sends the all-reduces of its layer on 2 ranks
+    only."""
+    import json
+
+    from tandem.models.config import DeepseekV3Config
+    from tandem.models.deepseek_v3 import DeepseekV3
+    from tandem.models.parallel import Shard
+
+    plan = _script("parallel_plan").plan
+    raw = json.loads((Path(__file__).parents[1] / "tandem/assets/demo-deepseek/config.json").read_text())
+    raw |= {"hidden_size": 3072, "moe_intermediate_size": 2048, "num_hidden_layers": 2}  # GBs to 3 decimals
+    whole = plan("demo", DeepseekV3, DeepseekV3Config, raw, Shard(0, 1), [1], 2)["rank0"]
+    split = plan(
+        "demo",
+        DeepseekV3,
+        DeepseekV3Config,
+        raw,
+        Shard(0, 2, data_parallel_attention=True, expert_parallel=True),
+        [1],
+        2,
+    )["other_ranks"]
+    assert 0.4 * whole["mtp_weight_gb"] < split["mtp_weight_gb"] < 0.7 * whole["mtp_weight_gb"]
+    assert whole["mtp_pass_batch1_sent_kb"] == 0 < split["mtp_pass_batch1_sent_kb"]

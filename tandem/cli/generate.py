@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         args.model,
         draft,
         num_speculative_tokens=args.num_speculative_tokens,
+        adaptive=args.adaptive,
         graph_mode=args.graph_mode,
         revision=args.revision,
         **parallel_settings(args),

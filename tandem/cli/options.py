@@ -9,8 +9,8 @@ from tandem.engine.graphs import GRAPH_MODES
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--model`, `--revision`, `--draft`, `-k`, `--graph-mode` and the parallel layout: the target (and its hub
-    revision), its draft, the drafts per step, how steps run and over how many processes."""
+    """`--model`, `--revision`, `--draft`, `-k`, `--adaptive`, `--graph-mode` and the parallel layout: the target
+    (and its hub revision), its draft, the drafts per step, how steps run and over how many processes."""
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -25,6 +25,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto (the model's best shipped draft), none, eagle, eagle3, mtp, ngram, suffix or a directory",
     )
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    parser.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="choose each greedy row's drafts (0..k) every step so speculation never costs time (--no-adaptive: k)",
+    )
     add_graph_mode_argument(parser)
     add_parallel_arguments(parser)
 

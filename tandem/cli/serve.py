@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=int,
         default=defaults.kv_cache_memory,
-        help="bytes of the paged KV cache, target and draft (default: max-num-seqs rows of the whole context)",
+        help="bytes of the paged KV cache per rank, target and draft (default: max-num-seqs rows of the whole context)",
     )
     parser.add_argument("--block-size", type=int, default=defaults.block_size, help="positions per KV cache block")
     parser.add_argument(
@@ -90,6 +90,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         revision=args.revision,
         num_speculative_tokens=args.num_speculative_tokens,
+        adaptive=args.adaptive,
         max_num_seqs=args.max_num_seqs,
         graph_mode=args.graph_mode,
         kv_cache_memory=args.kv_cache_memory,

@@ -3,8 +3,9 @@
 The engine builds every batch, sampling table and mask on the host while the device still runs
 the previous work; a copy that waited for that work would serialise the two (docs/DESIGN.md,
 "Overlap"). Every host-to-device copy on the step path goes through :func:`to_device` or a
-:class:`Staging`, which gathers the many small arrays of one phase of a step (its batch, the graph
-runner's plans, its drafts and sampling tables) into one pinned buffer and sends them in one copy.
+:class:`Staging`, which gathers the many small arrays of one phase of a step (its batch, the forwards' plans:
+the graph runner's or the eager layouts' write indices and block tables, its drafts and sampling tables) into one
+pinned buffer and sends them in one copy.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.core.checks import JSON_WHITESPACE_RULE, JsonWhitespace, is_json_whitespace
-from tandem.core.transfer import to_device
+from tandem.core.transfer import Staging, to_device
 
 MAX_LOGPROBS = 20  # SamplingParams.logprobs at most: alternatives per token, as OpenAI's top_logprobs allows
 
@@ -128,9 +128,13 @@ class SamplingTensors:
     def device(self) -> torch.device:
         return self.temperature.device
 
-    def to(self, device: torch.device | str) -> SamplingTensors:
-        """The same settings on `device` (from the CPU without waiting for the device: :func:`to_device`)."""
-        return self._map(lambda value: to_device(value, device))
+    def to(self, device: torch.device | str, staging: Staging | None = None) -> SamplingTensors:
+        """The same settings on `device` (from the CPU without waiting for the device: :func:`to_device`), a copy
+        per field; with ``staging`` (bound for `device`), in its one copy with the rest of a step's phase, and
+        then no device work may read them before it has sent."""
+        if staging is None:
+            return self._map(lambda value: to_device(value, device))
+        return self._map(lambda v: staging.float32(v.tolist()) if v.is_floating_point() else staging.int64(v.tolist()))
 
     def repeat_rows(self, repeats: int) -> SamplingTensors:
         """Each row repeated `repeats` times, [B] -> [B * repeats]: one entry per draft position."""
@@ -275,13 +279,17 @@ def _require(ok: bool, name: str, value: object, rule: str) -> None:
 
 
 def batch_sampling(
-    params: list[SamplingParams], seeds: torch.Tensor, device: torch.device | str = "cpu"
+    params: list[SamplingParams],
+    seeds: torch.Tensor,
+    device: torch.device | str = "cpu",
+    staging: Staging | None = None,
 ) -> SamplingTensors:
-    """Stack per-request settings into SamplingTensors; `seeds` [B] int64 are this step's seeds."""
+    """Stack per-request settings into SamplingTensors; `seeds` [B] int64 are this step's seeds. Checked on the
+    host, then sent to `device` (in ``staging``'s copy: :meth:`SamplingTensors.to`)."""
     return SamplingTensors(
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
         top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
         min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
         seed=seeds.to(torch.int64).cpu(),
-    ).to(device)
+    ).to(device, staging)

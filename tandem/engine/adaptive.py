@@ -8,20 +8,23 @@ row starts from the draft's recent acceptance). A row verifying j drafts then co
 
     E_b(j) = 1 + a + ... + a^j = (1 - a^(j+1)) / (1 - a)
 
-tokens. All rows share the step, whose time is ``cost(T) + draft`` for ``T = sum_b (j_b + 1)`` verified
+tokens. All rows share the step, whose time is ``cost(T) + draft(J)`` for ``T = sum_b (j_b + 1)`` verified
 tokens: ``cost`` is the measured time of a target forward plus acceptance over T tokens (`CostModel`,
 calibrated once at engine start, then a running mean of the steps' own measured times at each T, the
-engine's per-step host work included) and ``draft`` the measured time of a proposal (paid by every
-option when the draft must run anyway to keep its cache, else only when some row drafts). The policy
-picks the ``j_b`` in 0..k_max maximising
+engine's per-step host work included) and ``draft(J)`` the measured time of a proposal of J chained
+passes, ``J = max_b j_b``: the draft proposes only as far as the row that drafts most (a `CostModel` over
+passes, from the proposals' own timings). A draft that keeps a cache runs its first pass anyway (J is at
+least 1 for it); a draft that keeps none costs nothing when no row drafts. The policy picks the ``j_b`` in
+0..k_max maximising
 
-    sum_b E_b(j_b) / (cost(sum_b (j_b + 1)) + draft)
+    sum_b E_b(j_b) / (cost(sum_b (j_b + 1)) + draft(max_b j_b))
 
-exactly: the marginal gain of a row's j-th draft is ``a_b^j``, decreasing in j, so for each total number
-of drafts m the best allocation is the m largest marginals; the policy scans m = 0 .. B * k_max. m = 0
-(every row 0: the plain step) is one of the options, so by the model the choice is never slower than
-plain decoding. A row that has drafted nothing for ``probe_every`` steps drafts one position anyway, so
-its estimate can recover when the text turns predictable.
+exactly: the marginal gain of a row's j-th draft is ``a_b^j``, decreasing in j, so for a cap J on every
+row's drafts and a total of m drafts the best allocation is the m largest marginals with j <= J; the
+policy scans J = 0 .. k_max and m = 0 .. B * J. m = 0 (every row 0: the plain step) is one of the
+options, so by the model the choice is never slower than plain decoding. A row that has drafted nothing
+for ``probe_every`` steps drafts one position anyway, so its estimate can recover when the text turns
+predictable.
 
 Sampled rows (temperature > 0) are pinned to k_max. The lossless rule keeps their distribution
 whatever k is, but which tokens a seed draws depends on where the draws fall, hence on k; a choice
@@ -49,6 +52,7 @@ import collections
 import itertools
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -74,12 +78,13 @@ class CostModel:
         t0, t1, c0, c1 = ts[i - 1], ts[i], cs[i - 1], cs[i]
         return max(c0 + (c1 - c0) * (num_tokens - t0) / (t1 - t0), 1e-9)
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """A step's measured time over `num_tokens`: a running mean at that point (inserted if new), so the
-        model comes to include the engine's own per-step work on this device."""
+    def observe(self, num_tokens: int, seconds: float, *, replace: bool = False) -> None:
+        """A step's measured time over `num_tokens`: a running mean at that point (inserted if new; `replace`:
+        this time instead, the point's was a warm-up's), so the model comes to include the engine's own per-step
+        work on this device."""
         i = bisect.bisect_left(self.tokens, num_tokens)
         if i < len(self.tokens) and self.tokens[i] == num_tokens:
-            self.seconds[i] = 0.8 * self.seconds[i] + 0.2 * seconds
+            self.seconds[i] = seconds if replace else 0.8 * self.seconds[i] + 0.2 * seconds
         else:
             self.tokens.insert(i, num_tokens)
             self.seconds.insert(i, seconds)
@@ -95,36 +100,44 @@ def choose_drafts(
     rates: list[float],
     k_max: int,
     cost: CostModel,
-    draft_cost: float,
+    draft_cost: Callable[[int], float],
     draft_always: bool,
     pinned: list[bool] | None = None,
 ) -> list[int]:
     """The drafts per row (0..k_max) maximising expected committed tokens per second (the module's rule).
 
-    rates: each row's per-position acceptance estimate; draft_cost: seconds of a proposal, paid by every
-    option when `draft_always` or some row is pinned, else only by options where some row drafts;
-    pinned: rows that verify k_max drafts whatever the rule says (their cost and gain still count)."""
+    rates: each row's per-position acceptance estimate; draft_cost: seconds of a proposal by its chained
+    passes (:func:`draft_passes`); draft_always: the draft runs every step (it keeps a cache); pinned: rows
+    that verify k_max drafts whatever the rule says (their cost and gain still count)."""
     rows = len(rates)
     pinned = pinned or [False] * rows
     if rows == 0 or k_max == 0:
         return [0] * rows
     free = [b for b in range(rows) if not pinned[b]]
-    marginals = sorted(((rates[b] ** j, b) for b in free for j in range(1, k_max + 1)), reverse=True)
     forced = k_max * (rows - len(free))
-    fixed = draft_cost if draft_always or forced else 0.0
-    gained = sum(expected_tokens(a, k_max) if p else 1.0 for a, p in zip(rates, pinned))
-    best_m, best = 0, gained / (cost(rows + forced) + fixed)
-    for m, (gain, _) in enumerate(marginals, start=1):
-        if gain <= 0.0:
-            break
-        gained += gain
-        value = gained / (cost(rows + forced + m) + draft_cost)
-        if value > best:
-            best_m, best = m, value
+    base = sum(expected_tokens(a, k_max) if p else 1.0 for a, p in zip(rates, pinned))
+    marginals = sorted(((rates[b] ** j, j, b) for b in free for j in range(1, k_max + 1)), reverse=True)
+    best, best_cap, best_m = -1.0, 0, 0
+    for cap in [k_max] if forced else range(k_max + 1):  # a pinned row makes the draft run k_max passes anyway
+        gains = [gain for gain, j, _ in marginals if j <= cap and gain > 0.0]
+        gained = base
+        for m in range(len(gains) + 1):
+            gained += gains[m - 1] if m else 0.0
+            passes = draft_passes(cap if m or forced else 0, draft_always)
+            value = gained / (cost(rows + forced + m) + draft_cost(passes))
+            if value > best:
+                best, best_cap, best_m = value, cap, m
     counts = [k_max if p else 0 for p in pinned]
-    for _, b in marginals[:best_m]:
+    for _, _, b in [entry for entry in marginals if entry[1] <= best_cap][:best_m]:
         counts[b] += 1
     return counts
+
+
+def draft_passes(most_drafts: int, draft_always: bool) -> int:
+    """The chained passes a proposal runs when the row that drafts most drafts `most_drafts`: at least the first
+    one for a draft that keeps a cache (it writes the committed tokens' entries), none for one that does not
+    when no row drafts."""
+    return max(most_drafts, 1) if draft_always else most_drafts
 
 
 def forced_extension(
@@ -162,13 +175,13 @@ class AdaptivePolicy:
 
     k_max: int
     cost: CostModel
-    draft_always: bool  # the draft runs every step anyway (it keeps a cache), so its cost is sunk
+    draft_always: bool  # the draft runs its first pass every step anyway (it keeps a cache)
     prior: float = 0.5  # a0: the acceptance rate a new row starts from
     prior_weight: float = 2.0  # w: in tried positions
     decay: float = 0.9  # weight of the past per update
     probe_every: int = 8  # a row without drafts for this many steps drafts one
-    draft_cost: float = 0.0  # seconds per proposal, a running mean of measured proposals
-    draft_timings: int = 0  # proposals timed (the first, a warm-up, is not counted)
+    draft_cost: CostModel | None = None  # seconds of a proposal by its passes, from measured ones (None: none yet)
+    draft_timings: collections.Counter = field(default_factory=collections.Counter)  # passes -> proposals timed
     rows: dict[str, RowEstimate] = field(default_factory=dict)
     overall: RowEstimate = field(default_factory=RowEstimate)  # every row's outcomes (decay 0.99): the prior
     chosen: collections.Counter = field(default_factory=collections.Counter)  # k -> row-steps
@@ -198,11 +211,18 @@ class AdaptivePolicy:
         self.overall.accepted = 0.99 * self.overall.accepted + accepted
         self.overall.tried = 0.99 * self.overall.tried + tried
 
-    def observe_draft_time(self, seconds: float) -> None:
-        """A proposal's measured time; the first is a warm-up and only counts until the second."""
-        self.draft_timings += 1
-        first = self.draft_timings <= 2
-        self.draft_cost = seconds if first else 0.8 * self.draft_cost + 0.2 * seconds
+    def observe_draft_time(self, seconds: float, passes: int) -> None:
+        """A proposal's measured time over `passes` chained passes; the first of each length is a warm-up and
+        only counts until the second."""
+        self.draft_timings[passes] += 1
+        if self.draft_cost is None:
+            self.draft_cost = CostModel([passes], [seconds])
+        else:
+            self.draft_cost.observe(passes, seconds, replace=self.draft_timings[passes] == 2)
+
+    def draft_seconds(self, passes: int) -> float:
+        """The expected time of a proposal of `passes` chained passes (0 for none, or before any was timed)."""
+        return 0.0 if passes == 0 or self.draft_cost is None else self.draft_cost(passes)
 
     def forced_runs(
         self, request_ids: list[str], forced: list[list[bool]], runs: list[int], pinned: list[bool], draft_cost: float
@@ -219,7 +239,7 @@ class AdaptivePolicy:
         """Each row's drafts for its next verify (0..k_max), probes included; counted in `chosen`.
         `pinned` rows keep k_max (sampled rows: see the module docstring)."""
         counts = choose_drafts(
-            [self.rate(r) for r in request_ids], self.k_max, self.cost, self.draft_cost, self.draft_always, pinned
+            [self.rate(r) for r in request_ids], self.k_max, self.cost, self.draft_seconds, self.draft_always, pinned
         )
         for b, r in enumerate(request_ids):
             e = self.rows.get(r)

@@ -2,9 +2,9 @@
 draft's (step 6, propose).
 
 Spans are Python ints, so building a batch never reads the device, and each phase's host values (the batch,
-the graph runner's plans, the drafts, the penalties' entries) cross to the device in one staged copy
-(`tandem.core.transfer.Staging`): a step copies to the device twice, once before the verify and once before
-the proposal.
+the forwards' plans: the graph runner's or the eager layouts', the drafts, the penalties' entries, the sampling
+tables) cross to the device in one staged copy (`tandem.core.transfer.Staging`): a step copies to the device
+twice, once before the verify and once before the proposal, whether its rows sample or not, eager or compiled.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core.transfer import Staging, int64_tensor
+from tandem.decoding.params import SamplingTensors
 from tandem.decoding.penalties import LogitAdjustments
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
 from tandem.engine import sampling
 from tandem.engine.graphs import GraphRunner
 from tandem.engine.request import Request
-from tandem.models.base import ForwardBatch, RowSpans
+from tandem.models.attention import RaggedLayout
+from tandem.models.base import ForwardBatch, KVCache, RowSpans
 
 
 @dataclass
@@ -32,6 +34,7 @@ class VerifyInputs:
                  drafts may go past k_max); a row with fewer pads them with PLACEHOLDER_TOKEN_ID
     drafts:      [B', k] int64 on the device, the drafts this step verifies
     adjustments: the verifying rows' penalties and logit biases (None: no row has any)
+    sampling:    the verifying rows' sampling settings with this step's seeds (None: every row is greedy)
     """
 
     batch: ForwardBatch
@@ -39,6 +42,7 @@ class VerifyInputs:
     host_drafts: torch.Tensor
     drafts: torch.Tensor
     adjustments: LogitAdjustments | None
+    sampling: SamplingTensors | None
 
 
 def verify_inputs(
@@ -51,8 +55,10 @@ def verify_inputs(
     *,
     vocab_size: int,
     runner: GraphRunner | None = None,
+    cache: KVCache | None = None,
 ) -> VerifyInputs:
-    """The verify step's inputs, in one copy with the plan of the graph runner's forward (graph mode's ``runner``).
+    """The verify step's inputs, in one copy with the plan of the graph runner's forward (graph mode's ``runner``),
+    else with the eager forward's layout over ``cache`` (the target's; `RaggedLayout.stage`).
 
     Row ``b`` feeds its tokens from position ``held[b]`` (what its target cache holds) and its drafts: a
     running row ``[t_last, *drafts]`` from ``len(tokens) - 1``; a new row its whole prompt, or what follows a
@@ -81,9 +87,12 @@ def verify_inputs(
         host_drafts=int64_tensor([t for row in padded for t in row]).view(len(full), width),
         drafts=staging.int64([t for row in padded for t in row[:k]]).view(len(full), k),
         adjustments=sampling.adjustments(full, vocab_size, device, staging),
+        sampling=sampling.sampling_tensors(full, device, staging),
     )
     if runner is not None:
         runner.stage_forward(spans, staging)
+    elif cache is not None:
+        RaggedLayout.stage(spans, cache, staging)
     staging.send()
     return inputs
 
@@ -110,11 +119,13 @@ def draft_batch(
     device: torch.device,
     *,
     runner: GraphRunner | None = None,
+    cache: KVCache | None = None,
     num_steps: int = 0,
     vocab_size: int | None = None,
 ) -> tuple[ForwardBatch, torch.Tensor | None, list[torch.Tensor], LogitAdjustments | None]:
     """What the draft reads after a commit, for the `live` rows among the verified `rows`, in one copy with the
-    plans of the graph runner's ``num_steps`` chained draft steps (graph mode's ``runner``):
+    plans of the graph runner's ``num_steps`` chained draft steps (graph mode's ``runner``), else with the eager
+    steps' layouts over ``cache`` (the draft's):
 
     - the batch of each row's newly committed tokens, from the position after the verify's first (a prefill
       chunk's: those after each of its positions);
@@ -143,5 +154,7 @@ def draft_batch(
     adjustments = None if vocab_size is None else sampling.adjustments(live, vocab_size, device, staging)
     if runner is not None and num_steps > 0:
         runner.stage_draft(spans, num_steps, staging)
+    elif cache is not None and num_steps > 0:
+        RaggedLayout.stage(spans, cache, staging, num_steps)
     staging.send()
     return batch, None if hidden_all is None else hidden_all[hidden_index], histories, adjustments

@@ -24,9 +24,10 @@ One `step()` runs, for every running row (docs/DESIGN.md, "The speculative step"
 Before the step, `Scheduler.schedule` grows every running row's KV blocks to what the step writes
 (preempting the latest admitted rows when the pool runs out) and admits waiting requests whose grammar
 has compiled while their blocks fit (`kv_blocks`: a paged cache, one pool of blocks for the target's
-and the draft's entries, with automatic prefix caching), then hands the rows still prefilling their chunks
-of the step's token budget (`EngineConfig.max_num_batched_tokens`). After propose, each live row registers its
-full committed blocks for reuse and gives back the blocks past its committed tokens.
+and the draft's entries, with automatic prefix caching; one per rank under data-parallel attention), then
+hands the rows still prefilling their chunks of the step's token budget (`EngineConfig.max_num_batched_tokens`).
+After propose, each live row registers its full committed blocks for reuse and gives back the blocks past its
+committed tokens.
 
 Adaptive speculation (`EngineConfig.adaptive`, on by default): before each propose, `adaptive.AdaptivePolicy`
 chooses every row's drafts for the next verify (0..k) from its acceptance so far and the verify cost
@@ -57,8 +58,8 @@ lengths on the host, so no forward reads the device back (`tests/models/test_hos
 runs the providers on the meta device to hold that), and every host-to-device copy goes through
 pinned memory without waiting (`tandem.core.transfer`; `tests/engine/test_device_reads.py` counts the
 reads of a step on CUDA). What the verify needs (batch, graph plan, drafts, penalties) and what the proposal
-needs each travel in one staged copy (`batching`; sampled rows add their sampling tables), so a greedy step
-copies to the device twice (`tests/engine/test_step_copies.py` counts them).
+needs each travel in one staged copy (`batching`; sampling tables too), so a step copies to the device twice,
+greedy or sampled (`tests/engine/test_step_copies.py` counts them).
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ import torch
 from tandem.core.transfer import int64_tensor
 from tandem.decoding.acceptance import AcceptanceResult, accept
 from tandem.decoding.logprobs import token_logprobs
-from tandem.decoding.params import RelaxedAcceptance, SamplingParams
+from tandem.decoding.params import RelaxedAcceptance, SamplingParams, SamplingTensors
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID, sample
 from tandem.engine import sampling
-from tandem.engine.adaptive import AdaptivePolicy, CostModel
+from tandem.engine.adaptive import AdaptivePolicy, CostModel, draft_passes
 from tandem.engine.batching import VerifyInputs, draft_batch, forced_draft_probs, verify_inputs
 from tandem.engine.graphs import GraphRunner, resolve_capture_sizes, resolve_graph_mode
 from tandem.engine.kv_blocks import BlockPool, KVStats
@@ -92,7 +93,7 @@ from tandem.grammars.closing import Closer
 from tandem.grammars.compiler import CompileJob, GrammarCompiler
 from tandem.grammars.masks import MaskWalk, SpeculativeMasker
 from tandem.grammars.tokenizer import GrammarTokenizer
-from tandem.models.base import BlockTable, DraftInput, ForwardBatch, RowSpans
+from tandem.models.base import BlockTable, DraftInput, DraftProposal, ForwardBatch, RowSpans
 
 SMALL_STEP_TOKENS = 16  # a step of at most this many tokens runs on `EngineConfig.small_step_threads`
 
@@ -102,7 +103,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     max_num_seqs: int = 8  # rows decoded together (the block table's rows)
     max_model_len: int = 1024  # tokens per row (prompt + generated)
-    kv_cache_memory: int | None = None  # bytes of KV blocks, target and draft (None: max_num_seqs full rows)
+    kv_cache_memory: int | None = None  # KV block bytes per rank, target and draft (None: max_num_seqs full rows)
     block_size: int = 16  # positions per KV block
     enable_prefix_caching: bool = True  # reuse the cached blocks of a prompt's longest registered prefix
     relaxed: RelaxedAcceptance | None = None  # relaxed acceptance inside <think>…</think>
@@ -164,18 +165,17 @@ class Engine:
         # Graph mode pads batches with rows that read and write a scratch slot past the rows' (engine/graphs.py).
         self.graph_mode = resolve_graph_mode(config.graph_mode, self.device)
         data_parallel_attention = workers is not None and workers.shard.data_parallel_attention
-        if data_parallel_attention:  # "auto"; ParallelConfig.check refuses "compiled" (a rank's rows change)
-            self.graph_mode = "eager"
         capture_sizes = resolve_capture_sizes(config.capture_sizes, config.max_num_seqs)
         num_slots = config.max_num_seqs + (GraphRunner.SCRATCH_SLOTS if self.graph_mode == "compiled" else 0)
         # One-position caches of each model say what a position takes and whether the draft keeps a cache.
         probes = [target.new_cache(1, 1), None if draft is None else draft.new_cache(1, 1)]
-        num_blocks = self._num_blocks(sum(c.bytes_per_position for c in probes if c is not None))
+        # Under data-parallel attention a rank holds the entries of its own slots only: each rank's pools hold its
+        # domain's blocks (engine/kv_blocks.py), `num_blocks` of them.
+        domains = workers.shard.size if data_parallel_attention else 1
+        num_blocks = self._num_blocks(sum(c.bytes_per_position for c in probes if c is not None), domains)
         table = BlockTable(num_slots, config.max_model_len, config.block_size, num_blocks, self.device)
         self.target_cache = target.new_cache(num_slots, config.max_model_len, table=table)
         self.draft_cache = None if probes[1] is None else draft.new_cache(num_slots, config.max_model_len, table=table)
-        # Under data-parallel attention a rank holds the entries of its own slots only (engine/kv_blocks.py).
-        domains = workers.shard.size if data_parallel_attention else 1
         self.blocks = BlockPool(table, enable_prefix_caching=config.enable_prefix_caching, domains=domains)
         self.runner = None
         widths = (1, self.k + 1, self.max_drafts + 1)  # decode; verify and a draft's first pass; forced runs
@@ -195,6 +195,8 @@ class Engine:
                 tuple(capture_sizes) if compiled else None,
             )
             workers.mirror(self.target_cache, layout)
+            if workers.has_draft:  # a draft in the target's layout (MTP): each rank keeps its rows' draft entries
+                workers.mirror_draft()
         self.scheduler = Scheduler(
             config.max_num_seqs,
             self.masker,
@@ -289,7 +291,15 @@ class Engine:
         ends = [self.scheduler.chunk_ends.get(r.request_id) for r in rows]
         held = [self.target_cache.lengths[r.slot] for r in rows]
         inputs = verify_inputs(
-            rows, k, self.k, held, self.device, ends, vocab_size=self.target.vocab_size, runner=self.runner
+            rows,
+            k,
+            self.k,
+            held,
+            self.device,
+            ends,
+            vocab_size=self.target.vocab_size,
+            runner=self.runner,
+            cache=self.target_cache,
         )
         self._step_started = time.perf_counter()
         with torch_threads(self._threads_for(inputs.batch)):
@@ -304,13 +314,14 @@ class Engine:
         longest = max((len(r.drafts) for r in rows), default=0)
         return longest if self._adaptive() else max(longest, self.k)
 
-    def _num_blocks(self, position_bytes: int) -> int:
-        """The pool's blocks (the scratch block included): what `kv_cache_memory` holds at `position_bytes` a
-        position (target and draft entries), at least one full row."""
+    def _num_blocks(self, position_bytes: int, domains: int) -> int:
+        """A rank's pool's blocks (the scratch block included): what `kv_cache_memory` holds at `position_bytes` a
+        position (target and draft entries), at least one full row; None: full rows for its slots, one of `domains`
+        (each rank holds its domain's rows)."""
         config = self.config
         per_row = -(-config.max_model_len // config.block_size)
         if config.kv_cache_memory is None:
-            return config.max_num_seqs * per_row + 1
+            return -(-config.max_num_seqs // domains) * per_row + 1
         block_bytes = config.block_size * position_bytes
         num_blocks = config.kv_cache_memory // block_bytes
         if num_blocks < per_row:
@@ -343,7 +354,7 @@ class Engine:
         if prefix + k + 1 > self.config.max_model_len:
             prefix = 1
         per_row = self.blocks.blocks_for(prefix + k + 1)
-        rows = max(1, min(self.config.max_num_seqs, SMALL_STEP_TOKENS // (k + 1), self.blocks.num_free // per_row))
+        rows = max(1, min(self.config.max_num_seqs, SMALL_STEP_TOKENS // (k + 1), self.blocks.fits(per_row)))
         for slot in range(rows):
             self.blocks.grow(slot, prefix + k + 1)
         token = self.tokenizer.eos_token_id or 0
@@ -431,7 +442,7 @@ class Engine:
             if k < self.k:  # masks are built for k drafts; this step verifies fewer
                 bitmask = None if bitmask is None else bitmask[:, : k + 1]
                 in_thinking = None if in_thinking is None else in_thinking[:, : k + 1]
-            result = self._accept(full, scores, drafts, bitmask, in_thinking)
+            result = self._accept(full, scores, drafts, bitmask, in_thinking, inputs.sampling)
             deltas = self._commit(full, result, logits)
         if self.policy is not None and not prefill:
             self.policy.cost.observe(batch.num_tokens, time.perf_counter() - self._step_started)
@@ -451,9 +462,11 @@ class Engine:
         hidden state at it, as a proposal's first pass writes them (eagerly, its one token unread), so the draft
         cache is whole when the last chunk's step proposes."""
         hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
-        draft_ids, hidden, histories, _ = draft_batch(chunked, rows, batch, hidden_all, self.device)
+        draft_ids, hidden, histories, _ = draft_batch(
+            chunked, rows, batch, hidden_all, self.device, cache=self.draft_cache, num_steps=1
+        )
         self.draft_cache.truncate(draft_ids.spans.slots, draft_ids.spans.starts)
-        self.draft.propose(DraftInput(draft_ids, hidden, histories), self.draft_cache, 1)
+        self._run_draft(DraftInput(draft_ids, hidden, histories), 1)
 
     def _accept(
         self,
@@ -462,9 +475,10 @@ class Engine:
         drafts: torch.Tensor,
         bitmask: torch.Tensor | None,
         in_thinking: torch.Tensor | None,
+        settings: SamplingTensors | None,
     ) -> AcceptanceResult:
-        """Step 4 over the adjusted logits `scores` [B, k+1, V] and the drafts [B, k] on the device."""
-        settings = sampling.sampling_tensors(rows, scores.device)
+        """Step 4 over the adjusted logits `scores` [B, k+1, V], the drafts [B, k] and the rows' sampling `settings`
+        (staged with the verify batch: `VerifyInputs.sampling`) on the device."""
         k = scores.shape[1] - 1
         if k == 0:  # the plain path: `sample` is `accept` without drafts, minus the verification work
             return AcceptanceResult.without_drafts(
@@ -535,17 +549,19 @@ class Engine:
         follows = self.draft.follows_constraint
         walk = self.step_masks.walk(live) if follows or forcing else None
         proposed, probs = [[] for _ in live], None
+        # The draft proposes as far as the row that drafts most (its first pass always, if it keeps a cache).
+        passes = self.k if keep is None else draft_passes(max(keep), not self._draft_skippable)
         try:
             if run_draft:
-                proposed, probs = self._draft_proposal(live, rows, out, batch, walk if follows else None, keep)
-            if forcing and follows and run_draft:  # the draft walked its k tokens: go on with forced ones
+                proposed, probs = self._draft_proposal(live, rows, out, batch, walk if follows else None, passes)
+            if forcing and follows and run_draft:  # the draft walked its tokens: go on with forced ones
                 walk.extend_forced([min(m, n) for m, n in zip(limits, walk.lengths)], budgets)
             elif forcing:
                 walk.advance_proposals(proposed, limits, budgets)
         finally:
             if walk is not None:
                 walk.finish()
-        self._choose_drafts(live, proposed, probs, limits, budgets, walk, forcing, run_draft)
+        self._choose_drafts(live, proposed, probs, limits, budgets, walk, forcing, passes if run_draft else 0)
 
     def _draft_proposal(
         self,
@@ -554,10 +570,10 @@ class Engine:
         out,
         batch: ForwardBatch,
         walk: MaskWalk | None,
-        keep: list[int] | None,
+        passes: int,
     ) -> tuple[list[list[int]], torch.Tensor | None]:
-        """The draft's proposal for the live rows under `walk` (None: free): tokens [B][k] (read to the host)
-        and probs [B, k, V] (None: deterministic)."""
+        """The draft's proposal of `passes` tokens for the live rows under `walk` (None: free): tokens [B][passes]
+        (read to the host) and probs [B, passes, V] (None: deterministic)."""
         started = time.perf_counter()
         hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
         follows = self.draft.follows_constraint
@@ -568,7 +584,8 @@ class Engine:
             hidden_all,
             self.device,
             runner=self.runner,
-            num_steps=self.k,
+            cache=self.draft_cache,
+            num_steps=passes,
             vocab_size=self.target.vocab_size if follows else None,
         )
         if self.draft_cache is not None:
@@ -576,7 +593,7 @@ class Engine:
         adjust = None if adjustments is None else adjustments.apply_after
         if follows and self.vocab_limit < self.target.vocab_size:  # never draft a padded id
             adjust = self._mask_padding if adjustments is None else self._padded_adjust(adjustments.apply_after)
-        proposal = self.draft.propose(
+        proposal = self._run_draft(
             DraftInput(
                 draft_ids,
                 hidden,
@@ -585,13 +602,19 @@ class Engine:
                 adjust=adjust,
                 step=None if self.runner is None else self.runner.draft_step,
             ),
-            self.draft_cache,
-            self.k,
+            passes,
         )
         proposed = proposal.tokens.tolist()  # one read of the device for every row
-        if keep is not None:
-            self.policy.observe_draft_time(time.perf_counter() - started)
+        if self._adaptive():
+            self.policy.observe_draft_time(time.perf_counter() - started, passes)
         return proposed, proposal.probs
+
+    def _run_draft(self, inp: DraftInput, num_tokens: int) -> DraftProposal:
+        """The draft's proposal of `num_tokens` per row into its cache: on every rank when the workers hold their
+        parts of it (a draft in the target's layout, engine/workers.py), else here."""
+        if self.workers is not None and self.workers.has_draft:
+            return self.workers.propose(self.draft, inp, self.draft_cache, num_tokens)
+        return self.draft.propose(inp, self.draft_cache, num_tokens)
 
     def _choose_drafts(
         self,
@@ -602,12 +625,12 @@ class Engine:
         budgets: list[int],
         walk: MaskWalk | None,
         forcing: bool,
-        drafted: bool,
+        passes: int,
     ) -> None:
         """Each live row's drafts: its proposal up to `limits[b]`, or, with forced drafting (`forcing`: the walk
         went on with forced tokens), that prefix of the walk's path and the run of forced tokens after it, up to
-        `budgets[b]`, where adaptive speculation finds that the run pays (always otherwise). `drafted`: whether
-        the draft ran this step."""
+        `budgets[b]`, where adaptive speculation finds that the run pays (always otherwise). `passes`: the draft's
+        passes this step (0: it did not run)."""
         prefixes, runs = [], []
         for b in range(len(live)):
             if forcing:
@@ -630,7 +653,7 @@ class Engine:
                 [certain(b, n) for b, n in enumerate(prefixes)],
                 runs,
                 [r.params.temperature > 0 for r in live],
-                self.policy.draft_cost if drafted else 0.0,
+                self.policy.draft_seconds(passes),
             )
         for b, r in enumerate(live):
             r.forced_run = runs[b] if verify_runs[b] else 0

@@ -15,6 +15,13 @@ row's blocks gathered and its keys masked by position. Padding rows read a scrat
 engine's (``GraphRunner.SCRATCH_SLOTS``), whose table holds only the scratch block, and padding
 tokens write the scratch block, so they never touch a real row's cache.
 
+Over several ranks each rank runs its own runner, over the shapes the driver's runs (every rank sees the same
+spans, so they build and replay the same graphs at the same steps and meet in the collectives inside them).
+Under data-parallel attention (DeepSeek-V3) a rank caches only its own rows' entries, and which rows those are
+changes every step: its plan makes the other rows padding rows (scratch slot, scratch writes) and the body
+passes the provider ``owned`` (read from the slots buffer), with which it zeroes their attention outputs before
+the all-reduce that gives every rank every row's.
+
 - CUDA: one ``torch.cuda.CUDAGraph`` per shape, captured (over eager kernels) after an eager warm-up
   and one on a side stream, every graph in one memory pool; the key window is a row's whole block
   table (a graph's shapes are fixed).
@@ -49,9 +56,7 @@ from tandem.models.base import ForwardBatch, KVCache, RowSpans, TargetOutput
 GRAPH_MODES = ("auto", "eager", "compiled")
 AUTO_GRAPH_MODE = {"cuda": "compiled", "cpu": "eager"}  # "auto" per device type (README, graph mode)
 BACKEND_ENV = "TANDEM_COMPILE_BACKEND"
-CACHE_DIR = Path.home() / ".cache" / "tandem" / "inductor"
-# Set on import, before anything asks inductor for its cache (which then fixes the default under /tmp).
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
+CACHE_DIR = Path.home() / ".cache" / "tandem" / "inductor"  # TORCHINDUCTOR_CACHE_DIR unless the user set it
 
 
 def resolve_graph_mode(mode: str, device: torch.device) -> str:
@@ -117,7 +122,13 @@ class GraphRunner:
         self.buckets, self.widths = tuple(sorted(capture_sizes)), tuple(sorted(set(widths)))
         self.scratch = target_cache.num_slots - self.SCRATCH_SLOTS
         self.table = target_cache.table
+        # Data-parallel attention (DeepSeek-V3 over several ranks): this rank attends only the rows of its slots.
+        self.data_parallel = getattr(target, "data_parallel_attention", False)
+        self.owns = target.shard.owns_slot if self.data_parallel else lambda slot: True
         self.backend = backend or os.environ.get(BACKEND_ENV, "inductor")
+        # Before inductor first asks for its cache (it would then fix its default under /tmp) and not at import:
+        # setting it is graph mode's business, and a user's setting stands.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
         tokens = self.buckets[-1] * self.widths[-1]
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
         self.plan = torch.zeros(2 * tokens + self.buckets[-1], dtype=torch.int64, device=self.device)
@@ -130,6 +141,7 @@ class GraphRunner:
         )
         self.compile_s, self.fallbacks, self.replays = 0.0, 0, 0
         self._graphs: dict[tuple, Graph] = {}
+        self._warm: set[tuple] = set()  # keys (less the CPU threads) whose body ran eagerly once
         self._staged: dict[tuple, Tensor] = {}  # plans sent ahead (stage_forward, stage_draft), by _plan_key
         self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
 
@@ -182,7 +194,7 @@ class GraphRunner:
         token per row past the last (``ForwardBatch.following``), as :meth:`stage_forward` does."""
         chain = [spans] if self.draft_step is not None else []  # a draft that is not chained runs no graph
         for _ in range(num_steps - 1 if chain else 0):
-            chain.append(RowSpans(chain[-1].ends(), [1] * len(spans.slots), spans.slots))
+            chain.append(chain[-1].following())
         self._stage(chain, self.draft_cache, staging)
 
     def _stage(self, chain: list[RowSpans], cache: KVCache | None, staging: Staging) -> None:
@@ -212,19 +224,26 @@ class GraphRunner:
 
         A padding token repeats its row's last position and writes to the scratch block; a padding
         row reads the scratch slot's blocks (the scratch block) at ``first_position``, the one key it
-        writes there itself."""
+        writes there itself. Under data-parallel attention a row this rank does not own is planned as a padding
+        row: its blocks are another rank's (its table may hold ids of another domain's pool), so it reads and
+        writes the scratch block only, and its slot is the scratch slot (:meth:`_owned`)."""
         (rows, width), table = shape, self.table
         scratch = table.scratch_block * table.block_size
         positions, writes, grid = [], [], []
         for b, (start, n, slot) in enumerate(zip(spans.starts, spans.lengths, spans.slots)):
+            grid += range(b * width, b * width + n)
+            if not self.owns(slot):
+                positions += [first_position] * width
+                writes += [scratch + first_position % table.block_size] * width
+                continue
             positions += [start + min(j, n - 1) for j in range(width)]
             writes += [table.flat_index(slot, p) for p in range(start, start + n)]
             writes += [scratch + (start + n - 1) % table.block_size] * (width - n)
-            grid += range(b * width, b * width + n)
         padding = (rows - len(spans.slots)) * width
         positions += [first_position] * padding
         writes += [scratch + first_position % table.block_size] * padding
-        slots = spans.slots + [self.scratch] * (rows - len(spans.slots))
+        slots = [slot if self.owns(slot) else self.scratch for slot in spans.slots]
+        slots += [self.scratch] * (rows - len(spans.slots))
         return positions + writes + slots + ([] if len(grid) == rows * width else grid)
 
     def _load(self, batch: ForwardBatch, shape: tuple[int, int], first_position: int) -> Tensor | None:
@@ -254,7 +273,10 @@ class GraphRunner:
 
         def body(input_ids, positions, write_index, slots, tables, layers, key_start: int, block_size: int):
             layout = RaggedLayout.static(positions, write_index, tables.index_select(0, slots), key_start, block_size)
-            out = target.forward_layout(layout, input_ids, positions.flatten(), layers, None, return_hidden, return_aux)
+            owned = self._owned(slots, positions.shape[1])
+            out = target.forward_layout(
+                layout, input_ids, positions.flatten(), layers, None, return_hidden, return_aux, **owned
+            )
             return out.logits, out.hidden, out.aux_hidden
 
         return body
@@ -264,9 +286,19 @@ class GraphRunner:
 
         def body(input_ids, positions, write_index, slots, tables, layers, key_start: int, block_size: int, hidden):
             layout = RaggedLayout.static(positions, write_index, tables.index_select(0, slots), key_start, block_size)
-            return draft.step_layout(layout, input_ids, positions.flatten(), hidden, layers)
+            owned = self._owned(slots, positions.shape[1])
+            return draft.step_layout(layout, input_ids, positions.flatten(), hidden, layers, **owned)
 
         return body
+
+    def _owned(self, slots: Tensor, width: int) -> dict[str, Tensor]:
+        """A body's ``owned`` argument under data-parallel attention: ``[B * Q] bool``, the tokens of the rows this
+        rank attends, read from the slots buffer ``[B]`` (:meth:`_plan` gives the others the scratch slot, padding
+        rows' too), so a graph serves whatever rows a rank owns at a step. The provider zeroes the others'
+        attention outputs before the all-reduce that sums the ranks' rows. Else no argument."""
+        if not self.data_parallel:
+            return {}
+        return {"owned": (slots != self.scratch)[:, None].expand(-1, width).flatten()}
 
     def _run(self, key: tuple, body: Callable, batch: ForwardBatch, shape: tuple[int, int], cache: KVCache, extra):
         """Run ``key``'s graph of ``body`` over the buffers (building it on first use); returns its outputs.
@@ -274,10 +306,12 @@ class GraphRunner:
         The key window: a CUDA graph's is fixed, every row's whole block table; a compiled CPU graph's is the
         blocks up to the rows' furthest position, at least two (a size of 1 would specialise the graph). A
         compiled graph is specialised to the torch threads it ran with (the engine runs larger steps on more),
-        so they are part of its key."""
+        so they are part of its key; its body's eager warm-up runs once per key less them: over several ranks every
+        rank must run a step's collectives as often as the others, whatever threads it runs with."""
         table = self.table
         blocks = min(max(-(-max(batch.spans.ends()) // table.block_size), 2), table.max_blocks)
         args = self._args(shape, cache, table.max_blocks if self.cuda else blocks, extra)
+        warm = key
         if not self.cuda:
             key = (*key, torch.get_num_threads())
         graph = self._graphs.get(key)
@@ -285,9 +319,11 @@ class GraphRunner:
             self.replays += 1
             return graph(args)
         began = time.perf_counter()
-        # Warm-up over whole rows: state built on demand (the rotary tables, to max_len) exists before
-        # tracing or capture, and no later eager step (a longer prefill) rebuilds what a graph reads.
-        body(*self._args(shape, cache, table.max_blocks, extra))
+        if warm not in self._warm:
+            # Warm-up over whole rows: state built on demand (the rotary tables, to max_len) exists before
+            # tracing or capture, and no later eager step (a longer prefill) rebuilds what a graph reads.
+            body(*self._args(shape, cache, table.max_blocks, extra))
+            self._warm.add(warm)
         self._graphs[key], out = self._build(body, args)
         self.compile_s += time.perf_counter() - began
         return out

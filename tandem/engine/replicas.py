@@ -14,14 +14,18 @@ one engine would decode it.
 
 Messages go over ``multiprocessing`` pipes (requests in; deltas, finished outputs and KV counters out); the
 replica processes are built by a picklable ``build()`` that returns an object with an ``engine`` and a
-``close()`` (``tandem.LLM`` passes its own class with the same settings). A replica that dies, or fails to
-start, ends the front end with :class:`~tandem.engine.workers.WorkerError` naming it.
+``close()`` (``tandem.LLM`` passes its own class with every setting it was given, so each replica's
+:class:`~tandem.engine.EngineConfig` is replica 0's). :class:`ReplicaProcesses` starts them all before
+``tandem.LLM`` builds replica 0, and they build side by side, so start-up takes about the slowest replica's
+time, not the sum. A replica that dies, or fails to start, ends the front end with
+:class:`~tandem.engine.workers.WorkerError` naming it, and the other replicas are stopped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import signal
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -31,12 +35,13 @@ import torch
 import torch.multiprocessing as mp
 
 from tandem.decoding.params import SamplingParams
-from tandem.engine.engine import Engine
+from tandem.engine.engine import Engine, EngineConfig
 from tandem.engine.kv_blocks import KVStats
 from tandem.engine.output import RequestOutput, StreamDelta
 from tandem.engine.workers import WorkerError, devices_here, launched
 
 IDLE_WAIT_S = 0.05  # how long a step with nothing to run locally waits for the other replicas' messages
+STOP_WAIT_S = 10.0  # how long a replica may take to close its engine (and its ranks) and exit before it is ended
 
 
 def replica_devices(replicas: int, tensor_parallel_size: int, device: torch.device) -> list[torch.device]:
@@ -78,15 +83,20 @@ class _Remote:
     unfinished: set[str] = dataclasses.field(default_factory=set)
     waiting: set[str] = dataclasses.field(default_factory=set)
     stats: KVStats | None = None
-    started: bool = False  # its engine was built
+    config: EngineConfig | None = None  # its engine's, once built (None: still starting)
+
+    @property
+    def started(self) -> bool:
+        return self.config is not None
 
 
-class ReplicatedEngine:
-    """Replica 0 (``local``, this process's engine) and replica processes started from ``builds``, behind the
-    :class:`~tandem.engine.Engine` methods the front ends call."""
+class ReplicaProcesses:
+    """Replicas 1, 2, ... (one per ``builds`` entry), each a process started at construction that builds its
+    engine while the caller builds replica 0's; :meth:`wait_ready` waits for them. Owns their pipes: a message
+    that cannot be sent or received, or a replica's failure, closes them all and raises
+    :class:`~tandem.engine.workers.WorkerError` naming the replica."""
 
-    def __init__(self, local: Engine, builds: list[Callable[[], Any]]) -> None:
-        self.local = local
+    def __init__(self, builds: list[Callable[[], Any]]) -> None:
         self.closed = False
         context = mp.get_context("spawn")
         self.remotes: list[_Remote] = []
@@ -96,9 +106,69 @@ class ReplicatedEngine:
             process.start()
             theirs.close()  # the child's end lives in the child: its exit then ends our reads (EOFError)
             self.remotes.append(_Remote(index, process, ours))
-        for remote in self.remotes:  # they build side by side; one that fails stops them all (close), named
-            self._receive(remote, until="ready")
-            remote.started = True
+
+    def wait_ready(self) -> None:
+        """Block until every replica's engine is built (each one's config is then set), in whatever order they
+        finish; the first that fails or exits raises, naming it, with the others stopped."""
+        starting = {remote.conn: remote for remote in self.remotes if not remote.started}
+        while starting:
+            for conn in wait(list(starting)):
+                remote = starting.pop(conn)
+                _, remote.config = self.recv(remote)  # before "ready" a replica sends nothing else ("failed": raised)
+
+    def send(self, remote: _Remote, message: tuple) -> None:
+        try:
+            remote.conn.send(message)
+        except OSError as error:
+            raise self._lost(remote) from error
+
+    def recv(self, remote: _Remote) -> tuple:
+        try:
+            message = remote.conn.recv()
+        except (EOFError, OSError) as error:
+            raise self._lost(remote) from error
+        if message[0] == "failed":  # it exits by itself once it reported (closing what it built)
+            remote.process.join(timeout=STOP_WAIT_S)
+            self.close()
+            raise WorkerError(f"replica {remote.index} failed{'' if remote.started else ' to start'}:\n{message[1]}")
+        return message
+
+    def close(self) -> None:
+        """Stop the replica processes: a running one is told to stop (it closes its engine and its ranks); one still
+        building, or that does not stop within STOP_WAIT_S, is terminated (its own ranks end with it). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for remote in self.remotes:
+            if remote.started and remote.process.is_alive():
+                try:
+                    remote.conn.send(("stop",))
+                except OSError:
+                    pass
+            else:
+                remote.process.terminate()
+        for remote in self.remotes:
+            remote.process.join(timeout=STOP_WAIT_S)
+            if remote.process.is_alive():
+                remote.process.terminate()
+                remote.process.join(timeout=1)
+
+    def _lost(self, remote: _Remote) -> WorkerError:
+        remote.process.join(timeout=1)
+        self.close()
+        when = "" if remote.started else " before its engine started"
+        return WorkerError(f"replica {remote.index} exited with code {remote.process.exitcode}{when}")
+
+
+class ReplicatedEngine:
+    """Replica 0 (``local``, this process's engine) and the ``replicas`` processes, behind the
+    :class:`~tandem.engine.Engine` methods the front ends call; waits for the replicas to be ready (closing them
+    if one fails to start)."""
+
+    def __init__(self, local: Engine, replicas: ReplicaProcesses) -> None:
+        self.local, self.replicas = local, replicas
+        self.remotes = replicas.remotes
+        replicas.wait_ready()
         self._ids = itertools.count()
         self.assigned = [0] * self.num_replicas  # requests each replica was given
         self._owner: dict[str, _Remote] = {}
@@ -117,6 +187,11 @@ class ReplicatedEngine:
     @property
     def num_replicas(self) -> int:
         return 1 + len(self.remotes)
+
+    @property
+    def configs(self) -> list[EngineConfig]:
+        """Every replica's engine settings, replica 0's first."""
+        return [self.local.config, *(remote.config for remote in self.remotes)]
 
     def compile_grammar(self, params: SamplingParams):
         return self.local.compile_grammar(params)
@@ -145,7 +220,7 @@ class ReplicatedEngine:
         if isinstance(schema, type):  # a pydantic model class: its schema travels, not the class
             params = dataclasses.replace(params, json_schema=schema.model_json_schema())
         remote = self.remotes[replica - 1]
-        self._send(remote, ("add", list(prompt), params, request_id))
+        self.replicas.send(remote, ("add", list(prompt), params, request_id))
         remote.unfinished.add(request_id)
         self._owner[request_id] = remote
         self.assigned[replica] += 1
@@ -158,7 +233,7 @@ class ReplicatedEngine:
             self.local.abort(request_id)
             return
         if request_id in remote.unfinished:
-            self._send(remote, ("abort", request_id))
+            self.replicas.send(remote, ("abort", request_id))
             self._receive(remote, until=request_id)
 
     def has_unfinished(self) -> bool:
@@ -180,49 +255,20 @@ class ReplicatedEngine:
             for conn in wait([r.conn for r in busy], timeout=0 if deltas else IDLE_WAIT_S):
                 remote = next(r for r in busy if r.conn is conn)
                 while remote.conn.poll():
-                    self._handle(remote, self._recv(remote))
+                    self._handle(remote, self.replicas.recv(remote))
         deltas += self._deltas
         self._deltas = []
         return deltas
 
     def close(self) -> None:
         """Stop the replica processes. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        for remote in self.remotes:
-            if remote.process.is_alive():
-                try:
-                    remote.conn.send(("stop",))
-                except OSError:
-                    pass
-            remote.process.join(timeout=10)
-            if remote.process.is_alive():
-                remote.process.terminate()
+        self.replicas.close()
 
     # ---------------------------------------------------------------- messages
-    def _send(self, remote: _Remote, message: tuple) -> None:
-        try:
-            remote.conn.send(message)
-        except OSError as error:
-            raise self._lost(remote) from error
-
-    def _recv(self, remote: _Remote) -> tuple:
-        try:
-            message = remote.conn.recv()
-        except (EOFError, OSError) as error:
-            raise self._lost(remote) from error
-        if message[0] == "failed":
-            self.close()
-            raise WorkerError(f"replica {remote.index} failed{'' if remote.started else ' to start'}:\n{message[1]}")
-        return message
-
     def _receive(self, remote: _Remote, until: str) -> None:
-        """Handle ``remote``'s messages until one names ``until`` ("ready", or an aborted request's id)."""
+        """Handle ``remote``'s messages until one names ``until`` (an aborted request's id)."""
         while True:
-            message = self._recv(remote)
-            if message[0] == "ready" and until == "ready":
-                return
+            message = self.replicas.recv(remote)
             self._handle(remote, message)
             if until in message[2] or until not in remote.unfinished:
                 return
@@ -234,21 +280,17 @@ class ReplicatedEngine:
         self._finished.update(finished)
         remote.unfinished -= finished.keys()
 
-    def _lost(self, remote: _Remote) -> WorkerError:
-        remote.process.join(timeout=1)
-        self.close()
-        when = "" if remote.started else " before its engine started"
-        return WorkerError(f"replica {remote.index} exited with code {remote.process.exitcode}{when}")
-
 
 def _replica_main(conn: Connection, build: Callable[[], Any]) -> None:
     """A replica process: build its engine, then apply requests and step until told to stop (then close what it
-    built: a tensor-parallel replica's worker ranks stop with it)."""
+    built: a tensor-parallel replica's worker ranks stop with it). Terminated (SIGTERM) it exits through
+    SystemExit, so multiprocessing still stops the ranks it started."""
+    signal.signal(signal.SIGTERM, _exit)
     built = None
     try:
         built = build()
         engine = built.engine
-        conn.send(("ready",))
+        conn.send(("ready", engine.config))
         while True:
             finished: dict[str, RequestOutput] = {}
             while conn.poll(0 if engine.has_unfinished() or finished else None):  # blocks only when idle
@@ -268,8 +310,12 @@ def _replica_main(conn: Connection, build: Callable[[], Any]) -> None:
                     finished[delta.request_id] = engine.pop_finished(delta.request_id)
             if deltas or finished:
                 conn.send(("step", deltas, finished, engine.waiting_ids(), engine.kv_stats()))
-    except BaseException:
+    except Exception:
         conn.send(("failed", traceback.format_exc()))
     finally:
         if built is not None:
             built.close()
+
+
+def _exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)

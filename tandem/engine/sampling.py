@@ -34,13 +34,16 @@ def adjustments(
     )
 
 
-def sampling_tensors(rows: list[Request], device: torch.device) -> SamplingTensors | None:
-    """This step's per-row settings, or None when every row is greedy (no seeds needed). A row's
-    seed for the step follows from its own seed and its length, whatever else is in the batch."""
+def sampling_tensors(
+    rows: list[Request], device: torch.device, staging: Staging | None = None
+) -> SamplingTensors | None:
+    """This step's per-row settings, sent in one copy per field or in ``staging``'s, or None when every row is
+    greedy (no seeds needed). A row's seed for the step follows from its own seed and its length, whatever else
+    is in the batch."""
     if all(r.params.temperature == 0 for r in rows):
         return None
     seeds = derive_seeds(torch.tensor([r.seed for r in rows]), torch.tensor([r.num_generated for r in rows]))
-    return batch_sampling([r.params for r in rows], seeds, device)
+    return batch_sampling([r.params for r in rows], seeds, device, staging)
 
 
 def draft_probs(rows: list[Request], k: int, vocab_size: int, device: torch.device) -> torch.Tensor | None:

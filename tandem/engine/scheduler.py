@@ -8,9 +8,14 @@ the request a slot, the cached blocks of its longest registered prefix (``kv_blo
 the masker (its matcher, and a thinking tracker over its prompt). A grammar that failed to compile
 finishes its request with "error" before it runs.
 
+Under data-parallel attention each slot's blocks come from its domain's pool (``kv_blocks``): a request is
+admitted into a free slot of the domain with the most free blocks left once it holds the request (its cached
+prefix counted), so the ranks fill evenly and a shared prefix draws a request to the rank that holds it; it
+waits while no domain can hold it.
+
 Before each step every running row grows to the positions the step writes (:meth:`Scheduler.schedule`);
-when the pool cannot supply a row, the most recently admitted row is preempted: its blocks are freed
-and it waits at the front of the queue, to be prefilled again over its prompt and the tokens it
+when its domain's pool cannot supply a row, that domain's most recently admitted row is preempted: its
+blocks are freed and it waits at the front of the queue, to be prefilled again over its prompt and the tokens it
 generated (so greedy output is unchanged) and go on where it stopped; its masker row stays.
 Finishing (a stop rule, an abort) frees the slot, the blocks and the masker row; the output waits
 for `pop_finished`.
@@ -72,12 +77,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Request]:
-        """Grow every running row to its step's writes, preempting the latest admitted rows when the pool runs
-        out, admit what fits, then hand the rows still prefilling their chunks of the budget; returns the step's
-        rows (in admission order)."""
+        """Grow every running row to its step's writes, preempting the latest admitted rows of its domain when the
+        domain's pool runs out, admit what fits, then hand the rows still prefilling their chunks of the budget;
+        returns the step's rows (in admission order)."""
         for request in list(self.running):
             while request.slot >= 0 and not self.pool.grow(request.slot, self.reserve(request)):
-                self._preempt(self.running[-1])
+                domain = self.pool.domain(request.slot)
+                self._preempt(next(r for r in reversed(self.running) if self.pool.domain(r.slot) == domain))
         self.admit()
         prefilling = [r for r in self.running if self.cache.lengths[r.slot] < len(r.tokens) - 1]
         if self.budget is None or not prefilling:
@@ -96,7 +102,8 @@ class Scheduler:
         return [r for r in self.running if r.request_id not in idle]
 
     def admit(self) -> None:
-        """Move waiting requests whose grammar is ready into free slots, in arrival order, while their blocks fit."""
+        """Move waiting requests whose grammar is ready into free slots (:meth:`slot_for`), in arrival order, while
+        their blocks fit."""
         for request in list(self.waiting):
             if not self._free_slots:
                 return
@@ -104,20 +111,24 @@ class Scheduler:
             if job is not None and not job.done():
                 continue
             resumed = request.request_id in self._preempted
-            if not self.pool.can_assign(self._free_slots[0], request.tokens, self.reserve(request)):
+            slot = self.slot_for(request)
+            if slot is None:
                 return
             self.waiting.remove(request)
             if not resumed:
                 try:
-                    matcher = None if job is None else job.result().new_matcher()
+                    grammar = None if job is None else job.result()
+                    matcher = None if grammar is None else grammar.new_matcher()
                 except GrammarError as error:
                     request.output.error = str(error)
                     request.output.finish_reason = "error"
                     self._finished[request.request_id] = request.output
                     continue
-                self.masker.add_row(request.request_id, matcher, thinking_tracker(self.markers, request.prompt))
+                tracker = thinking_tracker(self.markers, request.prompt)
+                self.masker.add_row(request.request_id, matcher, tracker, grammar=grammar)
             self._preempted.discard(request.request_id)
-            request.slot = self._free_slots.pop(0)
+            self._free_slots.remove(slot)
+            request.slot = slot
             cached = self.pool.assign(request.slot, request.tokens, count=not resumed)
             self.pool.grow(request.slot, self.reserve(request))
             if not resumed:
@@ -126,6 +137,19 @@ class Scheduler:
             # draft's first new entry pairs with it); that position's writes go to scratch (BlockTable.read_only).
             self.cache.truncate([request.slot], [max(cached - 1, 0)])
             self.running.append(request)
+
+    def slot_for(self, request: Request) -> int | None:
+        """The free slot `request` is admitted into, each domain offering the one free the longest: of the domains
+        with a free slot, the one with the most free blocks left once the slot holds the request, then the one
+        with the longest cached prefix of it (its free cached blocks count as free ones), then the lower slot;
+        None when no domain can hold it."""
+        firsts: dict[int, int] = {}  # per domain, its slot free the longest
+        for slot in self._free_slots:
+            firsts.setdefault(self.pool.domain(slot), slot)
+        tokens, reserve = request.tokens, self.reserve(request)
+        scores = {s: (self.pool.room(s, tokens, reserve), len(self.pool.match(tokens, s))) for s in firsts.values()}
+        slot = max(sorted(scores), key=scores.__getitem__, default=None)
+        return None if slot is None or scores[slot][0] < 0 else slot
 
     def finish(self, request: Request, reason: str) -> None:
         """End a running request with `reason`."""

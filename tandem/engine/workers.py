@@ -1,18 +1,26 @@
 """One engine over several processes: the driver keeps the engine, worker ranks run the forwards it sends them.
 
 The split is vLLM's executor's. The driver (rank 0, the process that built ``tandem.LLM`` or serves HTTP) keeps the
-scheduler, the grammar walks, acceptance, the commits and the draft; it holds rank 0's shard of the target. Every
+scheduler, the grammar walks, acceptance and the commits; it holds rank 0's shard of the target. Every
 target forward it runs is first described to the worker ranks (:meth:`Workers.forward`): the batch's rows on the
 host, the cache's lengths and block table, what to return; its token ids go by a broadcast on the device group
 (NCCL on CUDA, gloo on the CPU), so the driver reads nothing back. Each rank then runs the same provider forward
 on its own shard and its own KV cache (SPMD); the collectives inside the model (``tandem.models.parallel``) line
-the ranks up, and the logits every rank ends with are the whole ``[N, V]``. Only the driver decides anything
-(acceptance, sampling, the grammar), and the workers hold no request state: the tokens it commits reach them as
-the next forward's input, so no rank can drift.
+the ranks up, and the logits every rank ends with are the whole ``[N, V]``. In graph mode each rank runs the
+forwards (and a draft's steps) through a graph runner of its own (:mod:`tandem.engine.graphs`), which builds and
+replays the same shapes' graphs at the same steps as the driver's, collectives inside. Only the driver decides
+anything (acceptance, sampling, the grammar), and the workers hold no request state: the tokens it commits reach
+them as the next forward's input, so no rank can drift.
 
-The draft runs whole on the driver: its proposal chains under the grammar, whose matchers live there, one
-one-layer pass per position; spread over the ranks it would cost a round of messages per chained position for
-a model a fraction of the target's size.
+A draft that follows the target's layout (DeepSeek-V3's MTP layer, built with the target's shard) runs on every
+rank the same way: each rank loads its part (:meth:`Workers.load_draft`) and mirrors the draft cache
+(:meth:`Workers.mirror_draft`); before each proposal the driver describes it (:meth:`Workers.propose`: the rows'
+spans, the draft cache's lengths; the hidden states are those of the forward just run, which every rank holds)
+and every rank runs its steps, the first over the committed tokens (their ids broadcast), then one per chained
+position, for which only the ``[B]`` tokens the driver chose (under the grammar) are broadcast. Only the driver
+reads the draft's head. Llama's EAGLE / EAGLE-3 drafts run whole on the driver: one small layer over the whole
+embedding and LM head that rank 0 keeps, where a tensor-parallel one would cost those same messages per chained
+position and an all-reduce per layer for a model a fraction of the target's size.
 
 Processes: :meth:`Workers.start` spawns ``world_size - 1`` workers with torch.multiprocessing (or, under
 ``torchrun``, where every rank is started for it, joins the group the launcher describes: rank 0 runs the
@@ -31,7 +39,7 @@ import os
 import pickle
 import socket
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +47,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tandem.models.base import BlockTable, ForwardBatch, KVCache, RowSpans, TargetOutput
+from tandem.core.transfer import int64_tensor
+from tandem.models.base import (
+    BlockTable,
+    Draft,
+    DraftInput,
+    DraftProposal,
+    ForwardBatch,
+    KVCache,
+    RowSpans,
+    TargetOutput,
+)
+from tandem.models.drafts.chained import follow_chained
 from tandem.models.loading import TARGET_MODULES
 from tandem.models.parallel import Shard
 
@@ -71,9 +90,11 @@ class ParallelConfig:
         """``timeout_s`` as the process groups and waits take it."""
         return datetime.timedelta(seconds=self.timeout_s)
 
-    def check(self, config: dict[str, Any], device: torch.device, graph_mode: str = "auto") -> None:
+    def check(self, config: dict[str, Any], device: torch.device) -> None:
         """Raise ValueError, before any process starts or weight is read, for a layout tandem cannot run on the
-        model of ``config`` (its ``config.json``) and ``device`` in ``graph_mode``."""
+        model of ``config`` (its ``config.json``) and ``device``. Every layout runs in either graph mode: each
+        rank captures its own graphs (under data-parallel attention over the whole padded batch,
+        :mod:`tandem.engine.graphs`)."""
         tp, dp = self.tensor_parallel_size, self.data_parallel_size
         model_type = config.get("model_type", "<none>")
         if tp < 1 or dp < 1:
@@ -89,11 +110,6 @@ class ParallelConfig:
             raise ValueError(
                 f"tensor_parallel_size {tp} for DeepSeek-V3: tandem runs its MLA attention data-parallel, as the "
                 "peers serve it: use data_parallel_size (with enable_expert_parallel for whole experts per rank)"
-            )
-        if model_type == "deepseek_v3" and dp > 1 and graph_mode == "compiled":
-            raise ValueError(
-                "graph_mode='compiled' with data-parallel attention: each rank attends the rows of its slots, which "
-                "change every step, and a captured layout cannot follow them yet; use graph_mode='eager' or 'auto'"
             )
         if model_type not in ("llama", "deepseek_v3") and self.world_size > 1:
             raise ValueError(f"model_type {model_type!r} has no parallel layout in tandem")
@@ -137,7 +153,7 @@ class CacheLayout:
     num_slots: int
     max_len: int
     block_size: int
-    num_blocks: int
+    num_blocks: int  # a rank's pool: under data-parallel attention its rows' domain's (engine/kv_blocks.py)
     scratch_block: int
     widths: tuple[int, ...] | None = None
     capture_sizes: tuple[int, ...] | None = None
@@ -155,11 +171,29 @@ class _Load:
 
 
 @dataclass(frozen=True)
+class _LoadDraft:
+    """Engine ``engine``'s draft: each rank builds its part of the draft ``source`` (``tandem.llm.resolve_draft``'s)
+    beside its target shard."""
+
+    engine: int
+    source: str | Path
+    dtype: torch.dtype | None
+    narrow: bool
+
+
+@dataclass(frozen=True)
 class _Mirror:
     """Engine ``engine``'s cache (and graph runner), laid out as the driver's."""
 
     engine: int
     layout: CacheLayout
+
+
+@dataclass(frozen=True)
+class _MirrorDraft:
+    """Engine ``engine``'s draft cache, over the same block table as its target cache (as the driver's)."""
+
+    engine: int
 
 
 @dataclass(frozen=True)
@@ -181,6 +215,20 @@ class _Forward:
     table: tuple[list[list[int]], list[int]] | None  # the block table's rows and read-only prefixes, when changed
     return_hidden: bool
     return_aux: bool
+
+
+@dataclass(frozen=True)
+class _Draft:
+    """A draft proposal of engine ``engine`` of ``num_tokens`` chained positions: the rows of its first step (their
+    ids follow by broadcast, then each chained position's ``[B]`` tokens), the draft cache's lengths the driver had
+    before it. Its hidden states are the last forward's, at the tokens before these (:func:`_hidden_rows`)."""
+
+    engine: int
+    spans: RowSpans
+    lengths: list[int]
+    table: tuple[list[list[int]], list[int]] | None  # as in _Forward
+    num_tokens: int
+    graphs: bool  # whether the driver runs the steps through its graph runner, as this rank must then
 
 
 def devices_here(device: torch.device) -> tuple[int, str]:
@@ -350,12 +398,14 @@ class _Ranks:
 
 
 class Workers:
-    """One engine's target on the worker ranks (see the module docstring): each rank loads its shard, mirrors
-    the driver's cache and runs the forwards :meth:`forward` describes. Build it with :meth:`start`."""
+    """One engine's target (and a draft in its layout) on the worker ranks (see the module docstring): each rank
+    loads its shard, mirrors the driver's caches and runs the forwards :meth:`forward` and the proposals
+    :meth:`propose` describe. Build it with :meth:`start`."""
 
     def __init__(self, ranks: _Ranks, model_type: str) -> None:
         self.ranks, self.id = ranks, next(ranks.engines)
         self.shard = ranks.parallel.shard(0, model_type)  # the driver's
+        self.has_draft = False  # whether the ranks run the draft's proposals too (:meth:`load_draft`)
         self._cache: KVCache | None = None
         self._table_version = -1
         self.closed = False
@@ -386,24 +436,62 @@ class Workers:
         """The worker processes this driver spawned (none under ``torchrun``)."""
         return self.ranks.processes
 
+    def load_draft(self, source: str | Path, dtype: torch.dtype | None, narrow: bool) -> None:
+        """Have every worker build its part of the draft ``source`` (``tandem.llm.resolve_draft``'s: ``"mtp"`` or a
+        NextN checkpoint) beside its target shard, as the driver built its own: a draft whose layer follows the
+        target's layout, whose proposals then run on every rank (:meth:`propose`)."""
+        self.ranks.send(_LoadDraft(self.id, source, dtype, narrow))
+        self.has_draft = True
+
     def mirror(self, cache: KVCache, layout: CacheLayout) -> None:
         """Have every worker build a target cache like the driver's ``cache`` (and a graph runner in graph mode)."""
         self._cache = cache
         self.ranks.send(_Mirror(self.id, layout))
 
+    def mirror_draft(self) -> None:
+        """Have every worker build a draft cache over its target cache's block table, as the driver's shares its
+        target's (after :meth:`load_draft` and :meth:`mirror`)."""
+        self.ranks.send(_MirrorDraft(self.id))
+
     def forward(self, batch: ForwardBatch, *, return_hidden: bool, return_aux: bool) -> None:
         """Send the workers the forward of ``batch`` into their caches, as the driver is about to run it."""
-        table = self._cache.table
-        rows = None
-        if table.version != self._table_version:
-            rows, self._table_version = (table.rows, table.read_only), table.version
         num_logits = None if batch.logits_indices is None else len(batch.logits_indices)
-        lengths = list(self._cache.lengths)
-        self.ranks.forwards += 1  # counted before it is sent: a rank that never takes it is behind
-        self.ranks.send(_Forward(self.id, batch.spans, num_logits, lengths, rows, return_hidden, return_aux))
+        lengths, rows = list(self._cache.lengths), self._table_rows()
+        self._send_counted(_Forward(self.id, batch.spans, num_logits, lengths, rows, return_hidden, return_aux))
         self.ranks.guarded(dist.broadcast, batch.input_ids, src=0)
         if batch.logits_indices is not None:
             self.ranks.guarded(dist.broadcast, batch.logits_indices, src=0)
+
+    def propose(self, draft: Draft, inp: DraftInput, cache: KVCache, num_tokens: int) -> DraftProposal:
+        """``draft.propose(inp, cache, num_tokens)`` on every rank, right after the target forward whose hidden
+        states ``inp`` reads (``draft``: a chained draft, with a ``step``, that :meth:`load_draft` loaded on the
+        workers; ``cache``: mirrored by :meth:`mirror_draft`). Each step's ids reach the workers before the driver
+        runs it (the committed tokens, then each chained position's ``[B]`` chosen ones); its distributed failures
+        end in :class:`WorkerError`."""
+        spans, lengths = inp.batch.spans, list(cache.lengths)
+        graphs = inp.step is not None  # the graph runner's steps (an eager pass, a chunk's fill, has none)
+        self._send_counted(_Draft(self.id, spans, lengths, self._table_rows(), num_tokens, graphs))
+        run = inp.step or draft.step
+
+        def step(batch: ForwardBatch, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+            dist.broadcast(batch.input_ids.contiguous(), src=0)  # a chained step's ids: a column of [B, k] tokens
+            return run(batch, hidden, cache)
+
+        return self.ranks.guarded(draft.propose, replace(inp, step=step), cache, num_tokens)
+
+    def _send_counted(self, message: _Forward | _Draft) -> None:
+        # Counted before it is sent: a rank that never takes it is behind. A proposal counts as one forward.
+        self.ranks.forwards += 1
+        self.ranks.send(message)
+
+    def _table_rows(self) -> tuple[list[list[int]], list[int]] | None:
+        """The block table's rows and read-only prefixes (shared by the target and draft caches) when they changed
+        since the workers last had them, else None."""
+        table = self._cache.table
+        if table.version == self._table_version:
+            return None
+        self._table_version = table.version
+        return table.rows, table.read_only
 
     def guard(self, run, *args, **kwargs):
         """``run(*args, **kwargs)`` (the driver's part of a forward, which takes part in collectives), its
@@ -452,19 +540,23 @@ def follow_launcher(parallel: ParallelConfig, device: torch.device | str) -> Non
 @dataclass
 class _Replica:
     """A worker's part of one engine: its target shard, its cache and what runs the forwards (the target or a
-    graph runner over it)."""
+    graph runner over it); its draft's part and cache (a draft in the target's layout), and the last forward's
+    rows and hidden states, which the draft reads."""
 
     target: Any
     cache: KVCache | None = None
+    layout: CacheLayout | None = None
     model: Any = None
+    draft: Any = None
+    draft_cache: KVCache | None = None
+    last: tuple[RowSpans, torch.Tensor | None] | None = None
 
 
 def follow(parallel: ParallelConfig, device: torch.device | str, progress=None) -> None:
     """A worker rank's loop (the process group is up): load each engine's shard, mirror its cache, run each
     forward the driver describes (counting them in ``progress[rank]``, when given), until it sends None."""
-    from tandem.engine.graphs import GraphRunner
     from tandem.models.linear import narrow_exact_weights
-    from tandem.models.loading import load_target
+    from tandem.models.loading import load_draft, load_target
 
     rank = dist.get_rank()
     device = _rank_device(torch.device(device), rank)
@@ -480,6 +572,11 @@ def follow(parallel: ParallelConfig, device: torch.device | str, progress=None) 
             if message.narrow:
                 narrow_exact_weights(target)
             replicas[message.engine] = _Replica(target)
+        elif isinstance(message, _LoadDraft):
+            replica = replicas[message.engine]
+            replica.draft = load_draft(message.source, replica.target, dtype=message.dtype, device=device)
+            if message.narrow:
+                narrow_exact_weights(replica.draft)
         elif isinstance(message, _Mirror):
             replica, layout = replicas[message.engine], message.layout
             table = BlockTable(
@@ -491,33 +588,85 @@ def follow(parallel: ParallelConfig, device: torch.device | str, progress=None) 
                 scratch_block=layout.scratch_block,
             )
             replica.cache = replica.target.new_cache(layout.num_slots, layout.max_len, table=table)
-            replica.model = replica.target
-            if layout.widths is not None:
-                replica.model = GraphRunner(
-                    replica.target, replica.cache, widths=layout.widths, capture_sizes=layout.capture_sizes
-                )
+            replica.layout = layout
+            replica.model = _model(replica)
+        elif isinstance(message, _MirrorDraft):
+            replica = replicas[message.engine]
+            table = replica.cache.table
+            replica.draft_cache = replica.draft.new_cache(table.num_slots, replica.cache.max_len, table=table)
+            replica.model = _model(replica)  # the draft's steps too, as the driver's runner runs them
         elif isinstance(message, _Release):
             del replicas[message.engine]
         else:
             replica = replicas[message.engine]
-            _run_forward(message, replica.model, replica.cache, device)
+            if isinstance(message, _Draft):
+                _run_draft(message, replica, device)
+            else:
+                out = _run_forward(message, replica.model, replica.cache, device)
+                replica.last = (message.spans, out.hidden)
             if progress is not None:
                 progress[rank] += 1
     dist.destroy_process_group()
 
 
-@torch.inference_mode()
-def _run_forward(message: _Forward, model, cache: KVCache, device: torch.device) -> TargetOutput:
-    """Mirror the driver's cache state, receive the ids, run the forward (its collectives meet the driver's)."""
+def _model(replica: _Replica) -> Any:
+    """What runs ``replica``'s forwards: its target, or in graph mode a graph runner over it and its draft (with its
+    cache, once mirrored): each rank builds and runs its own graphs of the shapes the driver's runner runs."""
+    from tandem.engine.graphs import GraphRunner
+
+    layout = replica.layout
+    if layout.widths is None:
+        return replica.target
+    return GraphRunner(
+        replica.target,
+        replica.cache,
+        replica.draft,
+        replica.draft_cache,
+        widths=layout.widths,
+        capture_sizes=layout.capture_sizes,
+    )
+
+
+def _mirror_state(message: _Forward | _Draft, cache: KVCache) -> None:
+    """Set ``cache``'s lengths, and its block table's rows when they changed, to the driver's."""
     cache.lengths = list(message.lengths)
     if message.table is not None:
         for slot, (blocks, read_only) in enumerate(zip(*message.table)):
             cache.table.set_blocks(slot, blocks, read_only)
-    input_ids = torch.empty(sum(message.spans.lengths), dtype=torch.int64, device=device)
-    dist.broadcast(input_ids, src=0)
-    logits_indices = None
-    if message.num_logits is not None:
-        logits_indices = torch.empty(message.num_logits, dtype=torch.int64, device=device)
-        dist.broadcast(logits_indices, src=0)
+
+
+def _receive_ids(num_tokens: int, device: torch.device) -> torch.Tensor:
+    """``[num_tokens]`` int64 that the driver broadcasts."""
+    ids = torch.empty(num_tokens, dtype=torch.int64, device=device)
+    dist.broadcast(ids, src=0)
+    return ids
+
+
+def _hidden_rows(forward: RowSpans, draft: RowSpans) -> list[int]:
+    """The indices, among the tokens of the ``forward`` just run, of the hidden states before each token of the
+    ``draft``'s rows: a row's draft tokens start one past its forward's first, in the same slot (what
+    ``tandem.engine.batching.draft_batch`` reads on the driver)."""
+    offsets, row = forward.offsets(), {slot: b for b, slot in enumerate(forward.slots)}
+    return [t for slot, n in zip(draft.slots, draft.lengths) for t in range(offsets[row[slot]], offsets[row[slot]] + n)]
+
+
+@torch.inference_mode()
+def _run_forward(message: _Forward, model, cache: KVCache, device: torch.device) -> TargetOutput:
+    """Mirror the driver's cache state, receive the ids, run the forward (its collectives meet the driver's)."""
+    _mirror_state(message, cache)
+    input_ids = _receive_ids(sum(message.spans.lengths), device)
+    logits_indices = None if message.num_logits is None else _receive_ids(message.num_logits, device)
     batch = ForwardBatch.build(input_ids, message.spans, logits_indices=logits_indices)
     return model.forward(batch, cache, return_hidden=message.return_hidden, return_aux=message.return_aux)
+
+
+@torch.inference_mode()
+def _run_draft(message: _Draft, replica: _Replica, device: torch.device) -> None:
+    """Mirror the driver's draft cache state and run this rank's part of its proposal over the last forward's
+    hidden states: the steps' ids and chosen tokens received, nothing read back (the driver chooses)."""
+    _mirror_state(message, replica.draft_cache)
+    batch = ForwardBatch.build(_receive_ids(sum(message.spans.lengths), device), message.spans)
+    spans, hidden = replica.last
+    hidden = hidden[int64_tensor(_hidden_rows(spans, message.spans), device)]
+    step = replica.model.draft_step if message.graphs else replica.draft.step
+    follow_chained(step, batch, hidden, replica.draft_cache, message.num_tokens, lambda n: _receive_ids(n, device))

@@ -22,9 +22,11 @@ tokens. Closing masks allow, once the budget is near, only tokens for which that
   object with that many required keys, opened as an optional value) can still outrun the budget.
 
 Witnesses are *derived* along the tokens a row takes: after token t, P[1:] if t = P[0], else P[1:] or
-P if that still ends; when neither does, or the derived one no longer fits the budget (t was kept by a
-proof, whose completion is shorter), a fresh `search` (and, when it finds none within the budget, the
-narrower one of the proofs, which finds again the completion that kept t): a breadth-first walk over the matcher
+P if that still ends, or P's text less t's where it starts with it, split at t's end (`_resplit`: a
+number or a name the row writes in other pieces than P's); when none does, or the derived one no longer
+fits the budget (t was kept by a proof, whose completion is shorter), a fresh `search` (and, when it
+finds none within the budget, the narrower one of the proofs, which finds again the completion that kept
+t): a breadth-first walk over the matcher
 with rollback, per level the states deduplicated by their next-token mask, a token that leaves a
 free-text state (more than `free_text` tokens allowed) with the same mask not followed (it wrote text
 and went nowhere), the `beam` states that wrote the most text kept (then the fewest tokens allowed),
@@ -47,7 +49,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from tandem.core.bitmask import unpack_bitmask
 from tandem.grammars.backends.base import Matcher, set_token_bit
 
 Witness = tuple[int, ...]
@@ -73,7 +74,7 @@ def closing_token_order(token_texts: Sequence[str]) -> list[int]:
 
 
 def _popcount(words: np.ndarray) -> int:
-    return int(np.unpackbits(words.view(np.uint8)).sum())
+    return int(np.bitwise_count(words.view(np.uint32)).sum())
 
 
 class Closer:
@@ -83,14 +84,14 @@ class Closer:
     def for_tokenizer(cls, tokenizer, vocab_size: int, end_token_ids: Sequence[int], **options) -> Closer:
         """A closer over an HF tokenizer's vocabulary (each token decoded once, to order them)."""
         texts = tokenizer.batch_decode([[t] for t in range(len(tokenizer))])
-        return cls(vocab_size, closing_token_order(texts), end_token_ids, [len(t) for t in texts], **options)
+        return cls(vocab_size, closing_token_order(texts), end_token_ids, texts, **options)
 
     def __init__(
         self,
         vocab_size: int,
         token_order: Sequence[int],
         end_token_ids: Sequence[int],
-        token_lengths: Sequence[int] | None = None,
+        token_texts: Sequence[str] | None = None,
         *,
         window: int = 64,
         horizon: int = 4,
@@ -105,9 +106,14 @@ class Closer:
         self.candidates, self.beam, self.branch, self.free_text = candidates, beam, branch, free_text
         self.proof = proof  # (beam, branch) of the search that proves a structural token: a narrower one
         self.order = np.asarray(token_order, dtype=np.int64)
-        self.lengths = list(token_lengths) if token_lengths is not None else [1] * vocab_size  # characters per token
+        self.texts = list(token_texts) if token_texts is not None else None  # each token's text alone
+        self.lengths = [len(t) for t in self.texts] if self.texts is not None else [1] * vocab_size  # its characters
+        self._by_text: dict[str, int] = {}  # a text -> the first token that writes it alone
+        for token, text in enumerate(self.texts or ()):
+            self._by_text.setdefault(text, token)
         self.end_ids = list(end_token_ids)
         self._scratch = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+        self._scratch_words = self._scratch.numpy()[0]  # the row `_fill` copies out, viewed once
 
     def active(self, remaining: int | None) -> bool:
         """Whether a position with `remaining` tokens left (None: no budget) is near enough to close."""
@@ -129,16 +135,16 @@ class Closer:
                 if matcher.is_terminated() or self._can_end(row):
                     matcher.rollback(len(path))
                     return path
-                free = _popcount(row) > self.free_text
-                for token in self._in_order(row)[:branch]:
+                same = row.tobytes() if _popcount(row) > self.free_text else None  # free text: no new state
+                written = sum(self.lengths[t] for t in path)
+                for token in self._in_order(row, branch):
                     if not matcher.accept_token(token):
                         continue
                     child = self._fill(matcher)
                     matcher.rollback(1)
                     key = child.tobytes()
-                    if key not in level and not (free and key == row.tobytes()):
-                        progress = -sum(self.lengths[t] for t in (*path, token))
-                        level[key] = (progress, _popcount(child), len(level), (*path, token))
+                    if key not in level and key != same:
+                        level[key] = (-written - self.lengths[token], _popcount(child), len(level), (*path, token))
                 matcher.rollback(len(path))
             frontier = [path for *_, path in sorted(level.values())[:beam]]
             if not frontier:
@@ -160,10 +166,28 @@ class Closer:
             return witness
         if witness[:1] == (token,):
             return witness[1:]
-        for candidate in (witness[1:], witness):
+        for candidate in (witness[1:], witness, *self._resplit(witness, token)):
             if self.ends(matcher, candidate):
                 return candidate
         return UNKNOWN
+
+    def _resplit(self, witness: Witness, token: int) -> list[Witness]:
+        """The witness less the text `token` wrote, when its text starts with that text split otherwise (`2020`
+        after `202`: `0`, then the tokens after `2020`): the tokens after the ones the text covers, after a
+        token of what the text leaves of the last of them (none when no single token writes it)."""
+        if self.texts is None:
+            return []
+        written, text, covered = self.texts[token], "", 0
+        while len(text) < len(written) and covered < len(witness):
+            text += self.texts[witness[covered]]
+            covered += 1
+        if not text.startswith(written):
+            return []
+        rest = text[len(written) :]
+        if not rest:
+            return [witness[covered:]]
+        piece = self._by_text.get(rest)
+        return [] if piece is None else [(piece, *witness[covered:])]
 
     def ends(self, matcher: Matcher, tokens: Sequence[int]) -> bool:
         """Whether the grammar accepts `tokens` from the matcher's state and may end after them; the matcher
@@ -214,7 +238,7 @@ class Closer:
     def _fill(self, matcher: Matcher) -> np.ndarray:
         """int32 [W]: the matcher's mask row (a copy)."""
         matcher.fill_bitmask(self._scratch, 0)
-        return self._scratch[0].numpy().copy()
+        return self._scratch_words.copy()
 
     @staticmethod
     def _has(words: np.ndarray, token: int) -> bool:
@@ -223,8 +247,8 @@ class Closer:
     def _can_end(self, words: np.ndarray) -> bool:
         return any(self._has(words, t) for t in self.end_ids)
 
-    def _in_order(self, words: np.ndarray) -> list[int]:
-        """The tokens a mask row allows, ends excluded, in `token_order`."""
-        allowed = unpack_bitmask(torch.from_numpy(words), self.vocab_size).numpy()
+    def _in_order(self, words: np.ndarray, first: int | None = None) -> list[int]:
+        """The tokens a mask row allows, ends excluded, in `token_order` (the `first` of them; None: all)."""
+        allowed = np.unpackbits(words.astype("<i4", copy=False).view(np.uint8), bitorder="little").view(bool)
         allowed[self.end_ids] = False
-        return self.order[allowed[self.order]].tolist()
+        return self.order[allowed[self.order]][:first].tolist()

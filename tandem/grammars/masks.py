@@ -38,6 +38,8 @@ from tandem.grammars.backends.base import Matcher, set_token_bit
 from tandem.grammars.closing import UNKNOWN, Closer, Witness
 from tandem.thinking import ThinkingTracker
 
+MAX_START_WITNESSES = 1024  # grammars whose start state's witness is kept
+
 
 @dataclass
 class GrammarRow:
@@ -46,6 +48,7 @@ class GrammarRow:
 
     matcher: Matcher | None
     tracker: ThinkingTracker | None = None
+    grammar: Hashable | None = None  # what the matcher walks: rows of one grammar share its start state's witness
     remaining: int | None = None
     witness: Witness | None | str = UNKNOWN
     history: list[int] = field(default_factory=list)  # the committed tokens the grammar took
@@ -85,12 +88,22 @@ class SpeculativeMasker:
         allowed[list(end_token_ids)] = False
         self.thinking_row = pack_bitmask(allowed)  # [W] int32: thinking positions of rows with a grammar
         self._rows: dict[Hashable, GrammarRow] = {}
+        # A grammar -> the wide search's witness from its start state and the budget it was searched within
+        # (`_fresh`): a function of the grammar alone, searched once for all its rows.
+        self._start_witnesses: dict[Hashable, tuple[Witness | None, int]] = {}
 
-    def add_row(self, row_id: Hashable, matcher: Matcher | None, tracker: ThinkingTracker | None = None) -> None:
-        """Start tracking a request; `matcher` must not have consumed anything after the prompt."""
+    def add_row(
+        self,
+        row_id: Hashable,
+        matcher: Matcher | None,
+        tracker: ThinkingTracker | None = None,
+        grammar: Hashable | None = None,
+    ) -> None:
+        """Start tracking a request; `matcher` must not have consumed anything after the prompt; `grammar`: a key
+        of what it walks (the compiled grammar), shared by rows of the same one (None: shares nothing)."""
         if row_id in self._rows:
             raise KeyError(f"row {row_id!r} is already tracked")
-        self._rows[row_id] = GrammarRow(matcher, tracker)
+        self._rows[row_id] = GrammarRow(matcher, tracker, grammar)
 
     def remove_row(self, row_id: Hashable) -> None:
         del self._rows[row_id]
@@ -161,10 +174,27 @@ class SpeculativeMasker:
                 witness = self.closer.derive(state.matcher, witness, token)
             unfit = witness == UNKNOWN or (isinstance(witness, tuple) and len(witness) > key[1])
             if unfit and self.closer.active(key[1]):  # a proof may have kept `token` with a shorter completion
-                found = self.closer.fresh(state.matcher, key[1])
+                found = self._fresh(state, key)
                 witness = witness if found is None else found
             entry = state.closing[key] = [witness, None]
         return entry
+
+    def _fresh(self, state: GrammarRow, key: tuple[tuple[int, ...], int]) -> Witness | None:
+        """`Closer.fresh` at the state `key`. At a grammar's start state the wide search runs once for all its
+        rows: breadth-first and deterministic, it finds the same witness within any budget from that witness's
+        length up, and none within a budget below one it found none within."""
+        tokens, remaining = key
+        if tokens or state.grammar is None:
+            return self.closer.fresh(state.matcher, remaining)
+        witness, searched = self._start_witnesses.get(state.grammar, (None, -1))
+        if witness is None and remaining > searched:
+            witness = self.closer.search(state.matcher, remaining)
+            if len(self._start_witnesses) >= MAX_START_WITNESSES:
+                self._start_witnesses.pop(next(iter(self._start_witnesses)))  # the oldest
+            self._start_witnesses[state.grammar] = witness, remaining
+        if witness is not None and len(witness) <= remaining:
+            return witness
+        return self.closer.search(state.matcher, remaining, *self.closer.proof)
 
     def is_terminated(self, row_id: Hashable) -> bool:
         """Whether the row's grammar has accepted EOS (the request is complete)."""

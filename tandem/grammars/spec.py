@@ -59,6 +59,25 @@ def _schema_error(source: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1024)
+def _lark_error(grammar: str) -> str | None:
+    """What llguidance's Lark parser finds wrong with `grammar` (None: it parses). Cached, as `_schema_error` is:
+    validating costs about a millisecond, and every job of a request (the runner's compile, then each
+    `Engine.add_request`) and a server's next requests bring the same text again."""
+    return llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar)) or None
+
+
+@functools.lru_cache(maxsize=1024)
+def _ebnf_error(grammar: str) -> str | None:
+    """What xgrammar's GBNF/EBNF parser finds wrong with `grammar` (None: it parses); cached as `_lark_error`.
+    `GrammarSpec.grammar` asks it first of every text, Lark ones too."""
+    try:
+        xgrammar.Grammar.from_ebnf(grammar)
+    except Exception as e:  # xgrammar raises RuntimeError with the parser's message
+        return str(e).strip()
+    return None
+
+
 def json_depth(value: object) -> int:
     """How deeply objects and arrays nest in a JSON value: 0 for a scalar, 1 for `{}` or `[1]`.
     Iterative, so that a value too deep for recursion is measured rather than crashing."""
@@ -151,18 +170,17 @@ class GrammarSpec:
     @classmethod
     def lark(cls, grammar: str) -> GrammarSpec:
         """From a Lark grammar (llguidance's dialect, start rule `start`)."""
-        error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar))
-        if error:
+        error = _lark_error(grammar)
+        if error is not None:
             raise InvalidGrammarSpec(f"lark: {error}")
         return cls("lark", grammar)
 
     @classmethod
     def ebnf(cls, grammar: str) -> GrammarSpec:
         """From a GBNF/EBNF grammar (xgrammar's dialect, start rule `root`)."""
-        try:
-            xgrammar.Grammar.from_ebnf(grammar)
-        except Exception as e:  # xgrammar raises RuntimeError with the parser's message
-            raise InvalidGrammarSpec(f"ebnf: {str(e).strip()}") from None
+        error = _ebnf_error(grammar)
+        if error is not None:
+            raise InvalidGrammarSpec(f"ebnf: {error}")
         return cls("ebnf", grammar)
 
     @classmethod

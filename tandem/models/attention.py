@@ -2,7 +2,9 @@
 
 :class:`RaggedLayout` is built once per forward from the batch's host-side spans and the cache's
 block table, and shared by every layer of every provider (the Llama and DeepSeek targets, the
-EAGLE, EAGLE-3 and MTP drafts). It keeps two concerns apart:
+EAGLE, EAGLE-3 and MTP drafts). The engine plans its device arrays ahead (:meth:`RaggedLayout.stage`),
+so they travel in the step phase's one staged copy (``tandem.core.transfer.Staging``), not in a copy
+of each forward's own. It keeps two concerns apart:
 
 - **Addressing** (:class:`BlockAddressing`, ``layout.addressing``): where a token's cache entry is
   written (:meth:`~BlockAddressing.write`: entry ``p % block_size`` of block ``table[slot][p // block_size]``
@@ -45,8 +47,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tandem.core.transfer import int64_tensor
-from tandem.models.base import ForwardBatch, KVCache
+from tandem.core.transfer import Staging
+from tandem.models.base import ForwardBatch, KVCache, RowSpans
 
 # cuDNN's attention builds an execution plan for every new shape, tens of milliseconds of host time each, and an
 # eager decode step's key length is new at every step; the other backends cost nothing per shape.
@@ -123,6 +125,41 @@ class BlockAddressing:
         return cache[self.tables].flatten(1, 2)[:, start:end]
 
 
+def _plan_key(spans: RowSpans, cache: KVCache) -> tuple:
+    """What a layout's addressing depends on besides its cache: the rows and the block table's rows."""
+    return tuple(spans.starts), tuple(spans.lengths), tuple(spans.slots), cache.table.version
+
+
+def _addressing(spans: RowSpans, cache: KVCache, staging: Staging) -> BlockAddressing:
+    """Where the rows ``spans`` write and read in ``cache``, from the block table's host rows: a write index and
+    the key window's tables ``[B, nb]`` (a row's blocks, then the scratch block's) staged in ``staging`` unless
+    the writes are a slice and the window's blocks a view of the pool."""
+    table, key_start, size = cache.table, cache.first_position, cache.table.block_size
+    ends = spans.ends()
+    max_key = max(ends)
+    flat = [table.flat_index(slot, p) for slot, s, e in zip(spans.slots, spans.starts, ends) for p in range(s, e)]
+    consecutive = flat == list(range(flat[0], flat[0] + len(flat)))
+    first, window = key_start // size, -(-max_key // size) - key_start // size  # the key window's blocks
+    rows = [table.rows[slot][first : first + window] for slot in spans.slots]
+    ids = [b for row in rows for b in row]
+    in_order = len(ids) == len(rows) * window and ids == list(range(ids[0], ids[0] + len(ids)))
+    tables = None
+    if not in_order:
+        padded = [b for row in rows for b in (*row, *[table.scratch_block] * (window - len(row)))]
+        tables = staging.int64(padded).view(len(rows), window)
+    return BlockAddressing(
+        write_index=None if consecutive else staging.int64(flat),
+        write_start=flat[0] if consecutive else None,
+        tables=tables,
+        first_block=ids[0] if in_order else None,
+        num_rows=len(rows),
+        block_size=size,
+        key_offset=first * size,
+        key_start=key_start,
+        key_end=max_key,
+    )
+
+
 @dataclass
 class RaggedLayout:
     """Where each token of a ragged batch sits in a padded ``[B, Qmax]`` query grid, what it sees, and
@@ -140,8 +177,14 @@ class RaggedLayout:
 
     @classmethod
     def build(cls, batch: ForwardBatch, cache: KVCache) -> RaggedLayout:
-        """The layout of ``batch`` over ``cache``'s block table (keys from its ``first_position``)."""
-        spans, table = batch.spans, cache.table
+        """The layout of ``batch`` over ``cache``'s block table (keys from its ``first_position``): its addressing as
+        :meth:`stage` planned it, else planned now and sent in one copy (when it needs a write index or tables)."""
+        spans = batch.spans
+        addressing = cache.planned.pop(_plan_key(spans, cache), None)
+        if addressing is None:
+            staging = Staging(batch.positions.device)
+            addressing = _addressing(spans, cache, staging)
+            staging.send()
         num_rows, num_tokens = batch.num_rows, batch.num_tokens
         ends = spans.ends()
         max_query, max_key = max(spans.lengths), max(ends)
@@ -154,26 +197,24 @@ class RaggedLayout:
             # Padding queries see every key: their outputs are dropped, and no softmax row is empty.
             query_positions = batch.positions.new_full((num_rows, max_query), max_key - 1)
             query_positions[grid_index] = batch.positions
-        device = batch.positions.device
-        flat = [table.flat_index(slot, p) for slot, s, e in zip(spans.slots, spans.starts, ends) for p in range(s, e)]
-        consecutive = flat == list(range(flat[0], flat[0] + num_tokens))
-        key_start, size = cache.first_position, table.block_size
-        first, window = key_start // size, -(-max_key // size) - key_start // size  # the key window's blocks
-        ids = [b for slot in spans.slots for b in table.rows[slot][first : first + window]]
-        in_order = len(ids) == num_rows * window and ids == list(range(ids[0], ids[0] + len(ids)))
-        addressing = BlockAddressing(
-            write_index=None if consecutive else int64_tensor(flat, device),
-            write_start=flat[0] if consecutive else None,
-            tables=None if in_order else table.sync().index_select(0, batch.slots)[:, first : first + window],
-            first_block=ids[0] if in_order else None,
-            num_rows=num_rows,
-            block_size=size,
-            key_offset=first * size,
-            key_start=key_start,
-            key_end=max_key,
-        )
         masked = max_query > 1 or min(ends) < addressing.key_end
         return cls(addressing, num_rows, grid_index, masked, max_query, max_key, query_positions)
+
+    @staticmethod
+    def stage(spans: RowSpans, cache: KVCache, staging: Staging, num_steps: int = 1) -> None:
+        """Plan ahead the addressing of ``num_steps`` forwards over ``cache`` (replacing what was planned before): the
+        first over ``spans``, each next one a token per row past the last (a chained draft's steps,
+        ``ForwardBatch.following``). Their write indices and block tables travel in ``staging``'s copy, which must
+        be sent before the first forward; :meth:`build` takes each by its rows, so an eager step copies as graph
+        mode's does (``GraphRunner.stage_forward``), once per phase."""
+        cache.planned.clear()
+        table = cache.table
+        for _ in range(num_steps):
+            rows = zip(spans.starts, spans.lengths, spans.slots)
+            if not all(0 <= slot < table.num_slots and 0 <= s < s + n <= table.capacity(slot) for s, n, slot in rows):
+                return  # rows that do not fit: their forward's cache check raises, naming the row
+            cache.planned[_plan_key(spans, cache)] = _addressing(spans, cache, staging)
+            spans = spans.following()
 
     @classmethod
     def static(

@@ -65,6 +65,10 @@ class RowSpans:
         """``[B+1]``: row b owns tokens ``offsets[b]:offsets[b+1]`` of the concatenated batch."""
         return list(itertools.accumulate(self.lengths, initial=0))
 
+    def following(self) -> RowSpans:
+        """One position per row, the one after each row's last (a chained draft's next step)."""
+        return RowSpans(self.ends(), [1] * len(self.slots), self.slots)
+
 
 @dataclass
 class ForwardBatch:
@@ -144,7 +148,7 @@ class ForwardBatch:
         """One token per row, ``input_ids [B]``, at the position after each row's last (chained drafting).
 
         Positions are derived on the device, so chaining never waits for the device."""
-        spans = RowSpans(self.spans.ends(), [1] * self.num_rows, self.spans.slots)
+        spans = self.spans.following()
         if self.num_tokens == self.num_rows:  # one token per row already: the same offsets, arange(B + 1)
             last_positions, offsets = self.positions, self.row_offsets
         else:
@@ -166,13 +170,13 @@ class BlockTable:
     """Which pool blocks hold each slot's positions: position ``p`` of slot ``s`` is entry ``p % block_size`` of
     block ``rows[s][p // block_size]``, in every pool that shares the table (a target's and its draft's caches).
 
-    ``rows`` (host lists) plan every forward; :attr:`tensor` ``[num_slots, max_blocks]`` int64 on the device is
-    what a forward reads, one persistent buffer (graph mode's graphs read its address), refreshed by one copy
-    when the rows changed (:meth:`sync`). Entries past a slot's blocks hold :attr:`scratch_block`, a block no
-    real row owns: a gather past a row's blocks reads it (those keys are masked by position) and padding
-    tokens write it. ``read_only[s]``: positions of slot ``s`` below it sit in blocks other rows share (a reused
-    prefix); a forward that runs over them again (to recompute a hidden state) writes those entries to
-    scratch instead, so a shared block is never written.
+    ``rows`` (host lists) plan every forward (an eager forward's layout stages its rows' part of them);
+    :attr:`tensor` ``[num_slots, max_blocks]`` int64 on the device is what graph mode's forwards read, one
+    persistent buffer (its graphs read its address), refreshed by one copy when the rows changed (:meth:`sync`).
+    Entries past a slot's blocks hold :attr:`scratch_block`, a block no real row owns: a gather past a row's
+    blocks reads it (those keys are masked by position) and padding tokens write it. ``read_only[s]``: positions
+    of slot ``s`` below it sit in blocks other rows share (a reused prefix); a forward that runs over them again
+    (to recompute a hidden state) writes those entries to scratch instead, so a shared block is never written.
     """
 
     def __init__(
@@ -259,6 +263,8 @@ class KVCache:
         self.layers, self.table = layers, table
         self.first_position = first_position
         self.lengths = [0] * table.num_slots  # host-side: the engine plans with these, the device never reads them
+        # Layouts' addressing planned ahead in a step's staged copy (attention.RaggedLayout.stage), by their rows.
+        self.planned: dict[tuple, object] = {}
 
     @classmethod
     def allocate(

@@ -24,12 +24,16 @@ data-parallel attention and an expert-parallel MoE; every rank is given the whol
 - attention: MLA's weights whole on every rank; each rank runs it (cache writes included) for the rows of the
   slots it owns (:meth:`~tandem.models.parallel.Shard.owns_slot`, planned on the host from the batch's spans)
   and puts their outputs at those rows' tokens of a zero ``[T, H]``, which is all-reduced: every rank then holds
-  every token's residual stream, exactly (each entry a sum with zeros). A rank may own no row of a step.
+  every token's residual stream, exactly (each entry a sum with zeros). A rank may own no row of a step. In graph
+  mode (:mod:`tandem.engine.graphs`) a step's shapes cannot follow the rows a rank owns: each rank runs attention
+  over the whole padded batch, the rows it does not own planned as padding rows (they read and write only the
+  scratch block), and zeroes their outputs (``owned``, a device tensor the runner fills) before the all-reduce.
 - MLP: the dense layers' and the shared experts' intermediate columns split over the ranks, the routed
   experts whole per rank (expert parallel) or each split by columns (:mod:`tandem.models.moe`); each rank's
   partial sum is all-reduced once per layer (a sum in another order than one device's matmul takes).
-- the embedding and the LM head whole on every rank (vocabulary-parallel is a later step), so the MTP draft,
-  on rank 0, reads them as on one device.
+- the embedding and the LM head whole on every rank (vocabulary-parallel is a later step).
+- the MTP draft's layer (:mod:`tandem.models.drafts.mtp`) is a :class:`DecoderLayer` of this layout too, built
+  with the target's shard: each rank attends its own rows in its own draft cache, holds its experts' share.
 
 MLA's heads are not split (tensor-parallel attention): :func:`check_shard` refuses it.
 """
@@ -40,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.core.transfer import int64_tensor
-from tandem.models.attention import RaggedLayout, sdpa
+from tandem.models.attention import RaggedLayout, sdpa, uses_kernel
 from tandem.models.base import (
     BlockTable,
     ForwardBatch,
@@ -100,7 +104,13 @@ def attend_latent(layout: RaggedLayout, query: Tensor, latent_cache: Tensor, val
         latent_cache: ``[num_blocks, block_size, D]``; the keys, whose first ``value_dim`` entries are the values.
     Returns:
         ``[T, nh, value_dim]`` in the query's dtype.
+
+    The paged-attention kernel reads the latents through the block table where
+    :func:`~tandem.models.attention.uses_kernel` says so (one key/value head, the values the keys' first
+    ``value_dim`` entries); else the latents are gathered into a contiguous copy.
     """
+    if uses_kernel(query):
+        return layout.attend_paged(query, latent_cache[:, :, None], latent_cache[:, :, None, :value_dim], scale)
     num_rows, max_query = layout.num_rows, layout.max_query
     num_heads, dim = query.shape[1:]
     keys = layout.addressing.gather(latent_cache).unsqueeze(1)  # [B, 1, num_keys, D]
@@ -114,6 +124,21 @@ def attend_latent(layout: RaggedLayout, query: Tensor, latent_cache: Tensor, val
         scale=scale,
     )
     return layout.from_grid(out.view(num_rows, max_query, num_heads, value_dim))
+
+
+def own_rows(shard: Shard, batch: ForwardBatch, cache: KVCache) -> tuple[RaggedLayout | None, Tensor, Tensor]:
+    """Data-parallel attention's plan, from the batch's host spans: ``(layout, positions [T_a], tokens [T_a])`` of
+    the rows whose slots ``shard``'s rank owns, the layout over ``cache`` (None when it owns none) and the tokens'
+    indices among the batch's T. The target's layers and the MTP draft's layer plan their attention with it."""
+    spans, offsets = batch.spans, batch.spans.offsets()
+    rows = [b for b, slot in enumerate(spans.slots) if shard.owns_slot(slot)]
+    tokens = int64_tensor([t for b in rows for t in range(offsets[b], offsets[b + 1])], batch.input_ids.device)
+    if not rows:
+        return None, batch.positions[tokens], tokens
+    if len(rows) < batch.num_rows:
+        own = RowSpans(*([values[b] for b in rows] for values in (spans.starts, spans.lengths, spans.slots)))
+        batch = ForwardBatch.build(batch.input_ids[tokens], own)
+    return RaggedLayout.build(batch, cache), batch.positions, tokens
 
 
 class MultiHeadLatentAttention(Layer):
@@ -198,14 +223,19 @@ class DecoderLayer(Layer):
         layout: RaggedLayout | None,
         latent_cache: Tensor,
         attention_tokens: Tensor | None = None,
+        owned: Tensor | None = None,
     ) -> Tensor:
         """``x: [T, H]``; ``rope`` and ``layout`` are those of the tokens attention runs over: all T, or under
-        data-parallel attention those of ``attention_tokens [T_a] int64`` (their indices among the T: this
-        rank's rows; ``rope`` and ``layout`` None when it owns none)."""
-        if attention_tokens is None:
-            x = x + self.self_attn(self.input_layernorm(x), rope, layout, latent_cache)
-        else:
+        data-parallel attention either those of ``attention_tokens [T_a] int64`` (their indices among the T: this
+        rank's rows; ``rope`` and ``layout`` None when it owns none), or, in graph mode, all T again with ``owned
+        [T] bool`` marking this rank's rows' tokens (the others ran as padding rows: their outputs are zeroed)."""
+        if attention_tokens is not None:
             x = x + self.shard.all_reduce(self.attend_rows(x, rope, layout, latent_cache, attention_tokens))
+        elif owned is not None:
+            out = self.self_attn(self.input_layernorm(x), rope, layout, latent_cache)
+            x = x + self.shard.all_reduce(out.masked_fill(~owned[:, None], 0))
+        else:
+            x = x + self.self_attn(self.input_layernorm(x), rope, layout, latent_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def attend_rows(
@@ -229,6 +259,11 @@ class DecoderLayer(Layer):
             self.mlp.load(take, f"{prefix}mlp.")
         else:
             load_module(self.mlp, take, f"{prefix}mlp.")
+
+    def foreign_keys(self, prefix: str) -> list[str]:
+        """Regexes (``re.match``) of the keys of ``{prefix}*`` :meth:`load` leaves to other ranks: their routed
+        experts'."""
+        return self.mlp.experts.foreign_keys(f"{prefix}mlp.experts.") if isinstance(self.mlp, DeepseekMoE) else []
 
 
 class DeepseekV3(nn.Module):
@@ -306,7 +341,7 @@ class DeepseekV3(nn.Module):
             raise ValueError(f"aux_layer_ids {self.aux_layer_ids} outside hidden_states indices 0..{self.num_layers}")
         cache.begin_forward(batch)
         if self.data_parallel_attention:
-            layout, positions, tokens = self.own_rows(batch, cache)
+            layout, positions, tokens = own_rows(self.shard, batch, cache)
         else:
             layout, positions, tokens = RaggedLayout.build(batch, cache), batch.positions, None
         return self.forward_layout(
@@ -320,20 +355,6 @@ class DeepseekV3(nn.Module):
             attention_tokens=tokens,
         )
 
-    def own_rows(self, batch: ForwardBatch, cache: KVCache) -> tuple[RaggedLayout | None, Tensor, Tensor]:
-        """Data-parallel attention's plan, from the batch's host spans: ``(layout, positions [T_a], tokens [T_a])``
-        of the rows whose slots this rank owns, the layout over ``cache`` (None when it owns none) and the
-        tokens' indices among the batch's T."""
-        spans, offsets = batch.spans, batch.spans.offsets()
-        rows = [b for b, slot in enumerate(spans.slots) if self.shard.owns_slot(slot)]
-        tokens = int64_tensor([t for b in rows for t in range(offsets[b], offsets[b + 1])], batch.input_ids.device)
-        if not rows:
-            return None, batch.positions[tokens], tokens
-        if len(rows) < batch.num_rows:
-            own = RowSpans(*([values[b] for b in rows] for values in (spans.starts, spans.lengths, spans.slots)))
-            batch = ForwardBatch.build(batch.input_ids[tokens], own)
-        return RaggedLayout.build(batch, cache), batch.positions, tokens
-
     def forward_layout(
         self,
         layout: RaggedLayout | None,
@@ -344,21 +365,22 @@ class DeepseekV3(nn.Module):
         return_hidden: bool = False,
         return_aux: bool = False,
         attention_tokens: Tensor | None = None,
+        owned: Tensor | None = None,
     ) -> TargetOutput:
         """The forward's tensor body over a planned ``layout``: ``input_ids [T] int64``, ``layers`` the cache's
         per-layer tensors; ``layout`` and ``positions [T_a] int64`` are those of the tokens attention runs over:
-        all T, or under data-parallel attention this rank's rows' (:meth:`own_rows`; ``layout`` None when it owns
-        none), whose indices among the T are ``attention_tokens [T_a] int64`` (None: all T).
+        all T, or under data-parallel attention this rank's rows' (:func:`own_rows`; ``layout`` None when it owns
+        none), whose indices among the T are ``attention_tokens [T_a] int64`` (None: all T). Graph mode's static
+        layout holds every row of the padded batch instead: under data-parallel attention it passes ``owned [T]
+        bool``, this rank's rows' tokens (:meth:`DecoderLayer.forward`).
 
-        Reads nothing back from the device, so it compiles into one graph (:mod:`tandem.engine.graphs`), but
-        not under data-parallel attention: graph mode's static layout holds every row of the padded batch,
-        where each rank attends its own rows, a set that differs by rank and step. Called without
-        ``attention_tokens`` there (as graph mode calls it), it raises ValueError."""
-        if attention_tokens is None and self.data_parallel_attention:
+        Reads nothing back from the device, so it compiles into one graph (:mod:`tandem.engine.graphs`). Under
+        data-parallel attention without ``attention_tokens`` or ``owned`` it raises ValueError: every rank would
+        attend every row, into a cache that holds its own rows' entries only."""
+        if attention_tokens is None and owned is None and self.data_parallel_attention:
             raise ValueError(
-                f"DeepSeek-V3 with data-parallel attention over {self.shard.size} ranks runs eagerly "
-                "(graph_mode='eager'): graph mode's static layout covers every row of the batch, where each rank "
-                "attends only its own rows"
+                f"DeepSeek-V3 with data-parallel attention over {self.shard.size} ranks: pass the rows this rank "
+                "attends (attention_tokens, or graph mode's owned mask)"
             )
         rope = None if layout is None else self.rope(positions, layout.max_key)
         capture = self.aux_layer_ids if return_aux else ()
@@ -367,7 +389,7 @@ class DeepseekV3(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in capture:
                 captured[i] = x
-            x = layer(x, rope, layout, layers[i], attention_tokens)
+            x = layer(x, rope, layout, layers[i], attention_tokens, owned)
         x = captured[self.num_layers] = self.norm(x)
         selected = x if logits_indices is None else x[logits_indices]
         return TargetOutput(
@@ -387,12 +409,7 @@ class DeepseekV3(nn.Module):
 
     def foreign_keys(self) -> list[str]:
         """Regexes (``re.match``) of the checkpoint keys :meth:`load` leaves to other ranks: their routed experts'."""
-        return [
-            pattern
-            for i, layer in enumerate(self.layers)
-            if isinstance(layer.mlp, DeepseekMoE)
-            for pattern in layer.mlp.experts.foreign_keys(f"model.layers.{i}.mlp.experts.")
-        ]
+        return [pattern for i, layer in enumerate(self.layers) for pattern in layer.foreign_keys(f"model.layers.{i}.")]
 
 
 def build(

@@ -78,11 +78,10 @@ class Part(NamedTuple):
     count: int
 
     def bounds(self, size: int) -> tuple[int, int]:
-        """``(start, stop)`` of the piece along a dimension of ``size`` (``count`` must divide it)."""
-        if size % self.count:
-            raise ValueError(f"{size} does not divide into {self.count} parts")
-        piece = size // self.count
-        return self.index * piece, (self.index + 1) * piece
+        """``(start, stop)`` of the piece along a dimension of ``size``: rank ``index`` of ``count``'s equal part
+        (:meth:`Shard.part`, whose ValueError it raises when ``count`` does not divide ``size``)."""
+        start, piece = Shard(self.index, self.count).part(size, f"dim {self.dim}")
+        return start, start + piece
 
 
 class CheckpointError(ValueError):
@@ -224,7 +223,7 @@ class WeightReader:
         try:
             return part.bounds(stored[part.dim])
         except ValueError as error:
-            raise CheckpointError(f"{self.path}: tensor {key!r} {stored} along dim {part.dim}: {error}") from None
+            raise CheckpointError(f"{self.path}: tensor {key!r} {stored} along {error}") from None
 
     def _dequantized(
         self, key: str, scale_key: str, dtype: torch.dtype, part: Part | None, bounds: tuple[int, int] | None

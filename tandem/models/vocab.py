@@ -5,7 +5,7 @@ Each rank owns the ids ``shard.part(vocab_size)`` and computes with those rows o
 ids in its range (zeros for the others) and all-reduces, so every rank gets every token's row; the head scores
 its ids and all-gathers, so every rank gets the full ``[N, V]`` logits one device would give.
 
-Rank 0 holds the whole matrix and its piece is a view of it: the drafts (EAGLE, EAGLE-3, MTP) run on rank 0
+Rank 0 holds the whole matrix and its piece is a view of it: Llama's drafts (EAGLE, EAGLE-3) run on rank 0
 alone and call the target's full-vocabulary ``embed`` / ``lm_head`` (:meth:`~VocabParallelEmbedding.embed_whole`,
 :meth:`~VocabParallelEmbedding.logits_whole`: no collective inside, and no other rank calls them). The other ranks
 read and keep only their rows (``checkpoint_parts``). On one device both are the plain ops.

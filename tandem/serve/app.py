@@ -31,8 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from tandem.engine.output import RequestOutput
-from tandem.grammars.errors import InvalidGrammarSpec
-from tandem.grammars.spec import GrammarSpec, json_depth
+from tandem.grammars.spec import json_depth
 from tandem.llm import LLM
 from tandem.serve import responses, tools
 from tandem.serve.config import ServeConfig
@@ -110,12 +109,8 @@ class Server:
 
     def check_constraint(self, constraint: Constraint | None, tool_list: list[tools.Tool]) -> None:
         """400 for a JSON schema of the request (its constraint's, a tool's parameters) past
-        `max_schema_depth` or `max_schema_bytes`, or for a grammar neither GBNF/EBNF nor Lark."""
-        if constraint is not None and constraint.kind == "grammar":
-            try:  # parsed here as the engine will, so that the error names the request's field
-                GrammarSpec.grammar(constraint.value)
-            except InvalidGrammarSpec as error:
-                raise invalid(f"{constraint.param}: {error}", param=constraint.param, code="invalid_grammar") from None
+        `max_schema_depth` or `max_schema_bytes`. A grammar is parsed once, where the engine builds it (:meth:`start`
+        names the request's field in its error)."""
         schemas = [(constraint.value, constraint.param)] if constraint and constraint.kind == "json_schema" else []
         schemas += [(tool.function.parameters, f"tools.{i}.function.parameters") for i, tool in enumerate(tool_list)]
         for schema, param in schemas:
@@ -191,7 +186,10 @@ class Server:
                 ) from None
             if isinstance(error, Exception):
                 schema_param = constraint.param if constraint else "response_format"
-                raise from_exception(error, schema_param=schema_param, prompt_param=prompt_param) from None
+                grammar = constraint is not None and constraint.kind == "grammar"
+                raise from_exception(
+                    error, schema_param=schema_param, prompt_param=prompt_param, grammar=grammar
+                ) from None
             raise  # cancelled: the client left
         finally:
             self.queued -= 1

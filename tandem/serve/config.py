@@ -21,7 +21,7 @@ SUFFIX_STORE_TOKENS = 32768  # the suffix draft's store of finished requests (pr
 class ServeConfig:
     """How `build_app` loads the model and how the app serves it.
 
-    Engine (passed to `tandem.LLM`): revision (of a hub model name), num_speculative_tokens,
+    Engine (passed to `tandem.LLM`): revision (of a hub model name), num_speculative_tokens, adaptive,
     max_num_seqs, graph_mode, and the paged KV cache's kv_cache_memory (bytes; None: what max_num_seqs
     rows of the whole context need), block_size and enable_prefix_caching, and max_num_batched_tokens (the
     tokens one step verifies and prefills at most: longer prompts prefill in chunks), the parallel layout
@@ -44,6 +44,7 @@ class ServeConfig:
 
     revision: str | None = None
     num_speculative_tokens: int = 4
+    adaptive: bool = True
     max_num_seqs: int = 8
     graph_mode: str = "auto"
     kv_cache_memory: int | None = None

@@ -49,16 +49,19 @@ def from_validation(error: pydantic.ValidationError) -> APIError:
     return invalid(f"{where}{first['msg']}", param=param, code=codes.get(first["type"], "invalid_value"))
 
 
-def from_exception(error: Exception, *, schema_param: str, prompt_param: str) -> APIError:
+def from_exception(error: Exception, *, schema_param: str, prompt_param: str, grammar: bool = False) -> APIError:
     """Map an engine-side error raised while admitting a request to the APIError it deserves.
 
-    schema_param: the request field the grammar came from (`response_format`, `tools`);
-    prompt_param: the field holding the prompt (`messages`, `prompt`).
+    schema_param: the request field the grammar came from (`response_format`, `tools`, `guided_grammar`);
+    prompt_param: the field holding the prompt (`messages`, `prompt`);
+    grammar: whether that field holds grammar text (GBNF/EBNF or Lark), whose parse error is `invalid_grammar`.
     """
     if isinstance(error, APIError):
         return error
     if isinstance(error, PromptTooLongError):
         return invalid(str(error), param=prompt_param, code="context_length_exceeded")
+    if isinstance(error, InvalidGrammarSpec) and grammar:
+        return invalid(f"{schema_param}: {error}", param=schema_param, code="invalid_grammar")
     if isinstance(error, InvalidGrammarSpec):
         return invalid(f"invalid schema: {error}", param=schema_param, code="invalid_schema")
     if isinstance(error, GrammarRefused):

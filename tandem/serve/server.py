@@ -37,6 +37,7 @@ def build_app(
         draft,
         revision=config.revision,
         num_speculative_tokens=config.num_speculative_tokens,
+        adaptive=config.adaptive,
         max_num_seqs=config.max_num_seqs,
         graph_mode=config.graph_mode,
         kv_cache_memory=config.kv_cache_memory,

@@ -1,4 +1,4 @@
-"""`--graph-mode` reaches `tandem.LLM` from every command that builds one (the model is not loaded)."""
+"""`--graph-mode` and `--adaptive` reach `tandem.LLM` from the commands that build one (the model is not loaded)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,17 @@ def test_an_unknown_graph_mode_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--graph-mode", "fast"])
     assert exit_info.value.code == 2 and "invalid choice: 'fast'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, adaptive",
+    [
+        (["generate", "--no-adaptive"], False),
+        (["generate"], True),
+        (["serve", "--draft", "none", "--no-adaptive"], False),
+    ],
+)
+def test_the_adaptive_flag_reaches_the_llm(llm_kwargs, argv, adaptive):
+    with pytest.raises(Built):
+        main(argv)
+    assert [kwargs["adaptive"] for kwargs in llm_kwargs] == [adaptive]

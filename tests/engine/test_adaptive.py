@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.decoding.params import SamplingParams
-from tandem.demo.corpus import generate_examples
+from tandem.demo.corpus import TASK_FAMILIES, generate_examples
 from tandem.engine import Engine, EngineConfig
 from tandem.engine import engine as engine_module
 from tandem.engine.adaptive import AdaptivePolicy, CostModel, choose_drafts, expected_tokens
@@ -17,9 +17,16 @@ from tandem.models.base import DraftProposal
 
 
 def objective(counts, rates, cost, draft_cost, draft_always):
+    """Expected tokens per second of a step where row b verifies counts[b] drafts; the draft runs as many passes
+    as the most any row drafts (one at least when it keeps a cache)."""
     tokens = sum(expected_tokens(a, j) for a, j in zip(rates, counts))
-    fixed = draft_cost if draft_always or any(counts) else 0.0
-    return tokens / (cost(sum(j + 1 for j in counts)) + fixed)
+    passes = max(max(counts), 1) if draft_always else max(counts)
+    return tokens / (cost(sum(j + 1 for j in counts)) + (draft_cost(passes) if passes else 0.0))
+
+
+def per_pass(first: float, each: float):
+    """A draft's seconds by its chained passes: the first pass, then each one after it."""
+    return lambda passes: first + each * (passes - 1) if passes else 0.0
 
 
 @pytest.mark.parametrize("draft_always", [False, True])
@@ -37,7 +44,7 @@ def objective(counts, rates, cost, draft_cost, draft_always):
 )
 def test_choice_maximises_expected_tokens_per_second(rates, cost, draft_always):
     k_max = 3
-    for draft_cost in (0.0, 0.3):
+    for draft_cost in (per_pass(0.0, 0.0), per_pass(0.3, 0.0), per_pass(0.2, 0.15), per_pass(0.05, 0.6)):
         chosen = choose_drafts(rates, k_max, cost, draft_cost, draft_always)
         best = max(
             objective(c, rates, cost, draft_cost, draft_always)
@@ -50,9 +57,18 @@ def test_choice_maximises_expected_tokens_per_second(rates, cost, draft_always):
 
 def test_no_acceptance_gives_no_drafts_and_near_certain_acceptance_gives_k_max():
     cheap = CostModel([1, 5, 40], [1.0, 1.05, 1.4])
-    assert choose_drafts([0.0, 0.0, 0.0], 4, cheap, 0.1, False) == [0, 0, 0]
-    assert choose_drafts([0.0, 0.0], 4, cheap, 0.1, True) == [0, 0]
-    assert choose_drafts([0.98, 0.99], 4, cheap, 0.05, False) == [4, 4]
+    assert choose_drafts([0.0, 0.0, 0.0], 4, cheap, per_pass(0.1, 0.0), False) == [0, 0, 0]
+    assert choose_drafts([0.0, 0.0], 4, cheap, per_pass(0.1, 0.0), True) == [0, 0]
+    assert choose_drafts([0.98, 0.99], 4, cheap, per_pass(0.05, 0.0), False) == [4, 4]
+
+
+def test_costly_draft_passes_shorten_every_row_together():
+    """When each chained pass costs much, a row drafting further makes every row's proposal longer: the choice
+    caps the most any row drafts instead of spreading drafts to each row's own best."""
+    cheap = CostModel([1, 40], [1.0, 1.4])
+    assert choose_drafts([0.9, 0.9], 4, cheap, per_pass(0.1, 0.01), False) == [4, 4]
+    assert choose_drafts([0.9, 0.9], 4, cheap, per_pass(0.1, 0.5), False) == [1, 1]
+    assert choose_drafts([0.9, 0.9], 4, cheap, per_pass(0.1, 0.5), False, pinned=[True, False]) == [4, 4]
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -154,6 +170,27 @@ def test_adaptive_greedy_equals_plain_greedy_token_for_token(demo_llms, pair, mo
     assert sum(n for k, n in drafted.items() if k > 0) > 0  # the trained draft was used
 
 
+@pytest.mark.parametrize("pair", PAIRS, ids=["+".join(p) for p in PAIRS])
+def test_the_draft_proposes_only_as_far_as_the_row_that_drafts_most(demo_llms, pair, monkeypatch):
+    """Each proposal runs as many chained passes as the most drafts any row chose (one when none chose any: the
+    draft keeps a cache), with and without a schema; the tokens stay plain greedy's."""
+    llm = demo_llms[pair]
+    examples = generate_examples(2, seed=5, split="heldout")
+    prompts = [llm.chat_prompt(e.messages, e.tools) for e in examples]
+    schemas = [None, *(TASK_FAMILIES[e.family].schema for e in examples)]
+    choices, chosen, passes = itertools.cycle([[0, 2], [4, 1], [0, 0], [3, 0], [1, 1]]), [], []
+    monkeypatch.setattr(
+        llm.engine.policy, "choose", lambda ids, pinned=None: chosen.append(next(choices)[: len(ids)]) or chosen[-1]
+    )
+    propose = llm.engine.draft.propose
+    monkeypatch.setattr(llm.engine.draft, "propose", lambda inp, cache, n: passes.append(n) or propose(inp, cache, n))
+    speculative = [generate(llm.engine, prompts, SamplingParams(max_tokens=32, json_schema=s)) for s in schemas]
+    assert passes == [max(*c, 1) for c in chosen] and {1, 2, 3, 4} <= set(passes)
+    monkeypatch.setattr(llm.engine, "draft", None)
+    monkeypatch.setattr(llm.engine, "k", 0)
+    assert speculative == [generate(llm.engine, prompts, SamplingParams(max_tokens=32, json_schema=s)) for s in schemas]
+
+
 @pytest.mark.parametrize("pair", PAIRS[:1], ids=["+".join(p) for p in PAIRS[:1]])
 def test_seeded_sampling_runs_with_adaptive_speculation(demo_llms, pair):
     """Sampled tokens stay distributed as plain sampling (every k is exact), but a different k moves
@@ -171,4 +208,7 @@ def test_a_wider_verify_never_costs_less_even_when_measured_so():
     assert cost(4) == 1.0 and cost(1) <= cost(2) <= cost(4) <= cost(6) <= cost(8)
     cost.observe(6, 0.1)
     assert [cost(t) for t in (4, 6, 8)] == sorted(cost(t) for t in (4, 6, 8)) and cost(6) >= cost(4)
-    assert choose_drafts([0.01, 0.01], 4, CostModel([2, 6], [1.0, 0.9]), 0.05, draft_always=False) == [0, 0]
+    assert choose_drafts([0.01, 0.01], 4, CostModel([2, 6], [1.0, 0.9]), per_pass(0.05, 0.0), draft_always=False) == [
+        0,
+        0,
+    ]

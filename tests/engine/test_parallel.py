@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 
 import jsonschema
 import pytest
@@ -24,6 +25,9 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.engine.workers import ParallelConfig, WorkerError
 from tandem.llm import resolve_model
+from tandem.models.deepseek_v3 import DeepseekV3
+from tandem.models.drafts.mtp import MultiTokenPredictor
+from tandem.models.parallel import parameter_bytes
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks need two CPU cores")
 
@@ -108,14 +112,51 @@ def test_each_rank_holds_part_of_the_weights(pair):
     assert mine < 0.8 * whole  # rank 0 keeps the replicated parts (norms; its full vocabulary for the draft)
 
 
+def test_each_rank_holds_its_part_of_the_kv_cache(pair):
+    """For the same rows (max_num_seqs full rows): a Llama rank caches its KV heads, a DeepSeek-V3 rank the blocks
+    of its own rows (its domain's pool, engine/kv_blocks.py), about half the single process's pool either way."""
+    whole, mine = (sum(layer.nbytes for layer in llm.engine.target_cache.layers) for llm in pair)
+    assert mine < 0.51 * whole
+
+
+@pytest.mark.parametrize("pair", ["demo-deepseek"], indirect=True)
+def test_each_rank_holds_its_part_of_the_mtp_layer(pair):
+    """The MTP draft follows the target's layout: each rank holds half of its layer's MoE (the routed experts and
+    the shared experts' columns) and the rest whole. Rank 0's is the draft it loaded; rank 1's is built as the
+    worker builds it, on the meta device (construction runs no collective)."""
+    single, parallel = pair
+    assert isinstance(parallel.draft, MultiTokenPredictor) and parallel.workers.has_draft
+    config, shard = single.target.config, parallel.workers.ranks.parallel.shard(1, "deepseek_v3")
+    rank1 = MultiTokenPredictor(config, DeepseekV3(config, device="meta", shard=shard), device="meta", shard=shard)
+    whole = MultiTokenPredictor(config, DeepseekV3(config, device="meta"), device="meta")
+    for mine, full in ((parallel.draft, single.draft), (rank1, whole)):
+        moe = full.layer.mlp
+        sharded = parameter_bytes(moe.experts) + parameter_bytes(moe.shared_experts)
+        assert abs((parameter_bytes(mine) - (parameter_bytes(full) - sharded)) / sharded - 1 / 2) < 0.01
+
+
+@pytest.mark.parametrize("pair", ["demo-deepseek"], indirect=True)
+def test_chunked_prefill_on_two_ranks_decodes_what_one_does(pair, monkeypatch):
+    """Prompts fed 8 tokens a step: the MTP draft's first pass fills each rank's draft cache over every chunk."""
+    prompts = ["Describe the water cycle in three short sentences.", "Name two rivers and the seas they reach."]
+    params, got = SamplingParams(max_tokens=24), []
+    for llm in pair:
+        monkeypatch.setattr(llm.engine.scheduler, "budget", 8)
+        fills, fill = [], llm.engine._fill_draft
+        monkeypatch.setattr(llm.engine, "_fill_draft", lambda *args, fill=fill, fills=fills: fills.append(fill(*args)))
+        got.append(llm.generate([llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts], params))
+        assert len(fills) >= 2  # chunks before each prompt's last
+    single, parallel = got
+    assert [out.token_ids for out in parallel] == [out.token_ids for out in single]
+    assert [out.stats.accepted for out in parallel] == [out.stats.accepted for out in single]
+
+
 def test_a_bad_layout_is_refused_before_loading():
     config = json.loads((resolve_model("demo-llama") / "config.json").read_text())  # 6 heads, 2 KV heads
     with pytest.raises(ValueError, match="num_attention_heads: 6 does not divide over 4 ranks"):
         ParallelConfig(tensor_parallel_size=4).check(config, torch.device("cpu"))
     with pytest.raises(ValueError, match="data-parallel"):
         ParallelConfig(tensor_parallel_size=2).check({"model_type": "deepseek_v3"}, torch.device("cpu"))
-    with pytest.raises(ValueError, match="graph_mode='compiled' with data-parallel attention"):
-        ParallelConfig(data_parallel_size=2).check({"model_type": "deepseek_v3"}, torch.device("cpu"), "compiled")
     with pytest.raises(ValueError, match="2 ranks on this machine .* but it has 0 GPUs"):
         ParallelConfig(tensor_parallel_size=2).check(config, torch.device("cuda"))
 
@@ -131,6 +172,25 @@ def test_a_killed_worker_ends_the_engine_with_its_rank():
         for _ in stream:
             pass
     assert time.monotonic() - start < 30
+    llm.close()
+
+
+def test_a_worker_killed_in_an_mtp_draft_forward_ends_the_engine_with_its_rank():
+    """The MTP draft runs on both ranks: a worker that dies as the driver's draft step begins leaves that step's
+    collectives unmet, and the error names the rank."""
+    llm = build("demo-deepseek", **LAYOUTS["demo-deepseek"][1])
+    worker, step = llm.workers.processes[0], llm.draft.step
+
+    def kill_then_step(*args):
+        os.kill(worker.pid, signal.SIGKILL)
+        return step(*args)
+
+    llm.draft.step = kill_then_step
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1 exited with code -9") as failure:
+        llm.generate(llm.chat_prompt([{"role": "user", "content": PROMPTS[0]}]), SamplingParams(max_tokens=16))
+    assert time.monotonic() - start < 30
+    assert "kill_then_step" in [frame.name for frame in traceback.extract_tb(failure.value.__cause__.__traceback__)]
     llm.close()
 
 

@@ -1,6 +1,7 @@
 """Tensor-parallel engine replicas (a Llama model at tensor_parallel_size 2 x data_parallel_size 2, vLLM's
 `--tensor-parallel-size 2 --data-parallel-size 2`): two engines of two ranks each, four processes on the CPU (gloo),
-decode what one device decodes; a layout the machine cannot run, and a replica that cannot start, are named.
+decode what one device decodes; a layout the machine cannot run, and a replica that cannot start, are named. Every
+replica takes every setting given to `LLM`, and the replicas start side by side.
 
 Float32, greedy: an all-reduce sums the ranks' partial products in another order than one matmul does (a few ulps
 of the logits), far below the demo model's gaps between its best two tokens (tests/engine/test_parallel.py).
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import json
+import multiprocessing
 import os
+import time
 from pathlib import Path
 
 import jsonschema
@@ -18,7 +21,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.engine.replicas import ReplicatedEngine, replica_devices
+from tandem.engine.replicas import ReplicaProcesses, ReplicatedEngine, replica_devices
 from tandem.engine.workers import WorkerError
 from tests.engine.test_parallel import TRIP
 
@@ -88,6 +91,8 @@ def test_a_layout_the_machine_cannot_run_is_refused_naming_the_setting(monkeypat
         replica_devices(2, 2, torch.device("cuda:3"))
     with pytest.raises(ValueError, match="data_parallel_size 4 x tensor_parallel_size 2 = 8 GPUs from cuda:0"):
         LLM("demo-llama", device="cuda", tensor_parallel_size=2, data_parallel_size=4)  # refused before loading
+    with pytest.raises(ValueError, match="ParallelConfig.timeout_s = 0 must be positive"):
+        LLM("demo-llama", tensor_parallel_size=2, parallel_timeout_s=0)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert replica_devices(2, 2, torch.device("cpu")) == [torch.device("cpu")] * 2  # 4 ranks share the 2 cores
     with pytest.raises(ValueError, match="data_parallel_size 3 engine replicas but this machine has 2 CPU cores"):
@@ -98,8 +103,39 @@ def test_a_layout_the_machine_cannot_run_is_refused_naming_the_setting(monkeypat
         replica_devices(2, 2, torch.device("cpu"))
 
 
-def test_a_replica_that_cannot_start_is_named():
-    local = _build(None).engine
+def test_every_replica_takes_the_settings_and_starts_before_replica_0_loads(monkeypatch):
+    """The engine settings given to `LLM` (adaptive off, a smaller block, no prefix caching, a smaller step budget)
+    are replica 1's too, and its process is running while this process loads replica 0's target."""
+    from tandem.models import loading
+
+    replica_running_at_load, real_load_target = [], loading.load_target
+
+    def load_target(*args, **kwargs):
+        children = [child.name for child in multiprocessing.active_children()]
+        replica_running_at_load.append("tandem-replica1" in children)
+        return real_load_target(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_target", load_target)
+    settings = {"adaptive": False, "block_size": 8, "enable_prefix_caching": False, "max_num_batched_tokens": 32}
+    llm = LLM("demo-llama", max_num_seqs=1, max_model_len=128, graph_mode="eager", data_parallel_size=2, **settings)
+    try:
+        configs = llm.engine.configs
+    finally:
+        llm.close()
+    assert replica_running_at_load == [True]  # this process loaded one target (replica 0's), replica 1 running
+    assert len(configs) == 2 and configs[1] == configs[0]
+    for name, value in settings.items():
+        assert [getattr(config, name) for config in configs] == [value, value], name
+
+
+def test_a_replica_that_cannot_start_is_named_and_the_others_are_stopped():
+    """Replica 2 fails while replica 1 is still building (it would for ten minutes): the failure is named at once,
+    and replica 1 is stopped."""
+    building = functools.partial(time.sleep, 600)
     broken = functools.partial(LLM, "demo-llama", tensor_parallel_size=4)  # 6 heads do not divide over 4 ranks
-    with pytest.raises(WorkerError, match=r"(?s)replica 1 failed to start:.*num_attention_heads: 6 does not divide"):
-        ReplicatedEngine(local, [broken])
+    replicas = ReplicaProcesses([building, broken])
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"(?s)replica 2 failed to start:.*num_attention_heads: 6 does not divide"):
+        replicas.wait_ready()
+    assert time.monotonic() - started < 120
+    assert not any(remote.process.is_alive() for remote in replicas.remotes)

@@ -1,7 +1,8 @@
 """A replayed step crosses to the device in few copies: every host value a step needs (the verify batch, the
-graph runner's plans, the drafts, the draft passes' inputs) travels in one staged copy per phase (before the
-verify, before the proposal; `tandem.core.transfer.Staging`). Counted on the CPU, where the same host code runs:
-each `to_device` call bound for a device and each staging's chunk copy counts as one copy."""
+graph runner's plans, the drafts, the sampling tables and penalties, the draft passes' inputs) travels in one
+staged copy per phase (before the verify, before the proposal; `tandem.core.transfer.Staging`), so sampled rows
+copy as often as greedy ones. Counted on the CPU, where the same host code runs: each `to_device` call bound for a
+device and each staging's chunk copy counts as one copy."""
 
 from __future__ import annotations
 
@@ -61,22 +62,64 @@ GREEDY = SamplingParams(max_tokens=200, ignore_eos=True)
 SAMPLED = SamplingParams(
     max_tokens=200, ignore_eos=True, temperature=0.8, seed=3, repetition_penalty=1.2, logit_bias={7: 1.5, 9: -2.0}
 )
-
-
-# The bounds: one staged copy before the verify, one before the proposal (the penalties' entries in them); a
-# sampled row adds its sampling tables (SamplingTensors.to: one copy per field).
-@pytest.mark.parametrize(
-    "draft, params, bound", [(None, GREEDY, 1), ("eagle3", GREEDY, 2), (None, SAMPLED, 6), ("eagle3", SAMPLED, 7)]
+# sampled with another seed, top-k and top-p filters, presence and frequency penalties
+FILTERED = SamplingParams(
+    max_tokens=200,
+    ignore_eos=True,
+    temperature=0.7,
+    seed=11,
+    top_k=20,
+    top_p=0.9,
+    presence_penalty=0.5,
+    frequency_penalty=0.3,
 )
-def test_a_compiled_step_copies_to_the_device_a_few_times(models, monkeypatch, draft, params, bound):
+# The bounds: one staged copy before the verify, one before the proposal, greedy or sampled (the penalties' entries
+# and the sampling tables, `SamplingTensors.to(device, staging)`, travel in them), eager or compiled (the graph
+# runner's plans, or the eager layouts' write indices and block tables, `RaggedLayout.stage`, too).
+BOUNDS = {None: 1, "eagle3": 2}
+
+
+def _started(models, draft: str | None, graph_mode: str, params: list[SamplingParams]) -> Engine:
+    """An engine running a row per ``params`` past its prefill and the steps that build its graphs."""
     target, draft_model, tokenizer = models("demo-llama", draft)
-    config = EngineConfig(max_num_seqs=1, max_model_len=384, graph_mode="compiled", capture_sizes=(1,), adaptive=False)
+    config = EngineConfig(
+        max_num_seqs=4, max_model_len=384, graph_mode=graph_mode, capture_sizes=(1, 2, 4), adaptive=False
+    )
     engine = Engine(target, draft_model, tokenizer, config)
     prompt = chat_prompt_ids(tokenizer, EXAMPLE.messages, EXAMPLE.tools)
-    engine.add_request(prompt, params)
-    for _ in range(3):  # prefill, then the steps that build the graphs
+    for p in params:
+        engine.add_request(prompt, p)
+    for _ in range(3):
         engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("draft", [None, "eagle3"])
+def test_a_compiled_step_copies_to_the_device_once_per_phase(models, monkeypatch, draft, params):
+    engine = _started(models, draft, "compiled", [params])
     replays = engine.runner.replays
     counts = _step_copies(monkeypatch, engine, 6)
     assert engine.runner.replays >= replays + 6  # every counted step replayed its graphs
-    assert max(counts) <= bound, counts
+    assert max(counts) <= BOUNDS[draft], counts
+
+
+@pytest.mark.parametrize("params", [[SAMPLED], [GREEDY, SAMPLED, FILTERED]], ids=["1row", "3rows"])
+@pytest.mark.parametrize("draft", [None, "eagle3"])
+def test_an_eager_step_copies_as_often_as_a_compiled_one(models, monkeypatch, draft, params):
+    """The eager layouts' write indices and key windows' block tables (`RaggedLayout.build`: the target's and each
+    draft pass's) travel in the phase's copy too. Three rows grow side by side, so their blocks interleave: no
+    layout of theirs is a slice of the pool, and each needs both."""
+    engine = _started(models, draft, "eager", params)
+    counts = _step_copies(monkeypatch, engine, 6)
+    assert max(counts) <= BOUNDS[draft], counts
+
+
+@pytest.mark.parametrize("draft", [None, "eagle3"])
+def test_a_batch_of_greedy_and_sampled_rows_copies_once_per_phase(models, monkeypatch, draft):
+    """Rows with different seeds, filters and penalties beside a greedy one: their tables share the phase's copy."""
+    engine = _started(models, draft, "compiled", [GREEDY, SAMPLED, FILTERED])
+    replays = engine.runner.replays
+    counts = _step_copies(monkeypatch, engine, 4)
+    assert engine.runner.replays >= replays + 4
+    assert max(counts) <= BOUNDS[draft], counts

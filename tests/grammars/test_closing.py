@@ -130,3 +130,49 @@ def test_a_thinking_row_with_room_only_for_the_shortest_answer_must_close_its_re
     assert in_thinking.all()
     assert unpack_bitmask(bitmask[0, 0], tokenizer.vocab_size).sum() > 1  # one token of slack: free
     assert unpack_bitmask(bitmask[0, 1], tokenizer.vocab_size).nonzero().flatten().tolist() == [markers.close_id]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_witness_follows_a_row_that_writes_its_text_in_other_pieces(tokenizer, closer, backend):
+    """Where the row writes the witness's text split otherwise (a shorter or longer piece of the same
+    characters), the witness is derived from the text left, not lost to a fresh search: for every token whose
+    text starts the witness's and is not its first token, the derived witness is the text that remains."""
+    new_matcher = BACKENDS[backend].compile(GrammarSpec.regex(r"(19|20)[0-9]{2}-[0-9]{2}"), tokenizer)
+    matcher = new_matcher()
+    witness = closer.search(matcher, 16)
+    text = tokenizer.hf.decode(list(witness))
+    resplit = [
+        t for t in range(len(closer.texts)) if closer.texts[t] and text.startswith(closer.texts[t]) and t != witness[0]
+    ]
+    assert resplit, f"no other split of {text!r} in the tokenizer"
+    for token in resplit:
+        assert matcher.accept_token(token)
+        derived = closer.derive(matcher, witness, token)
+        assert isinstance(derived, tuple), f"{closer.texts[token]!r} of {text!r}"
+        assert closer.texts[token] + tokenizer.hf.decode(list(derived)) == text
+        assert closer.ends(matcher, derived)
+        matcher.rollback(1)
+
+
+def test_rows_of_one_grammar_search_its_start_state_once(grammar, closer, tokenizer, monkeypatch):
+    """The start state's witness is the grammar's alone: rows that share their grammar's key search it once, and
+    get what rows searching alone get, whatever their budgets (below the witness's length too)."""
+    new_matcher, _ = grammar
+    shortest = len(closer.search(new_matcher(), 32))
+    wide, search = [], closer.search
+
+    def counted(matcher, limit, *narrow):  # the wide searches counted, not the narrow ones proofs run
+        wide.extend([] if narrow else [limit])
+        return search(matcher, limit, *narrow)
+
+    monkeypatch.setattr(closer, "search", counted)
+    shared, alone = (SpeculativeMasker(tokenizer.vocab_size, len(tokenizer.hf), closer=closer) for _ in range(2))
+    bitmask, in_thinking = torch.zeros(1, 1, shared.width, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.bool)
+    for row, budget in enumerate([shortest + 6, shortest, shortest + 2, max(shortest - 1, 1), shortest + 9]):
+        masks = []
+        for masker, key in ((shared, "grammar"), (alone, None)):
+            masker.add_row(row, new_matcher(), grammar=key)
+            masker.fill([row], torch.zeros(1, 0, dtype=torch.int64), bitmask, in_thinking, remaining=[budget])
+            masks.append((bitmask.clone(), masker.row(row).witness))
+        assert torch.equal(masks[0][0], masks[1][0]) and masks[0][1] == masks[1][1]
+    assert len(wide) == 1 + 5  # the shared rows' one search, then each of the lone rows'

@@ -152,10 +152,12 @@ def test_any_rows_blocks_and_splits_give_the_torch_paths_attention(rows, block_s
 
 
 @pytest.mark.parametrize("dim, value_dim", [(80, 64), (144, 128)], ids=["demo", "wide"])
-def test_mla_latent_cache_one_head_whose_values_are_the_keys_first_entries(dim, value_dim):
+def test_mla_latent_cache_one_head_whose_values_are_the_keys_first_entries(dim, value_dim, monkeypatch):
     """DeepSeek-V3's absorbed MLA: every query head over one latent head (``kv_lora_rank + qk_rope_head_dim``
     wide, not a power of two; the wide one takes the kernel's narrower tiles, as DeepSeek-V3's 576 does)."""
     from tandem.models.deepseek_v3 import attend_latent
+
+    monkeypatch.setattr(attention, "attention_backend", "torch")  # the reference: gather + sdpa, whatever is set
 
     ends = [23, 11]
     cache, generator = _scattered_cache(ends, 4, (dim,), torch.float32)

@@ -1,7 +1,8 @@
 """DeepSeek-V3 over 2 ranks (gloo, CPU, one spawn): data-parallel attention with the routed experts expert-parallel
 or split by columns gives the single-device model's logits (argmax equal) and hidden states over a prefill, a
 decode, a 5-token verify and a step where one rank owns no row; each rank reads and holds only its experts; the
-MTP draft stays whole; layouts tandem does not run are refused.
+MTP draft follows the target's layout (each rank's part of its layer gives the single-device draft's logits);
+layouts tandem does not run are refused.
 
 Tolerance: the float32 model's results up to the order of the MLP's sums. Each rank sums its experts' (or its
 columns') products and the all-reduce adds the two partial sums, where one device sums them in one matmul, so
@@ -89,7 +90,7 @@ def routed_bytes(model: DeepseekV3) -> int:
 
 
 def run_rank(rank: int, port: int, out_dir: Path) -> None:
-    """One rank: both layouts' steps (and rank 0's MTP logits) into ``out_dir/rank{rank}.pt``."""
+    """One rank: both layouts' steps and MTP logits into ``out_dir/rank{rank}.pt``."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     try:
@@ -97,8 +98,7 @@ def run_rank(rank: int, port: int, out_dir: Path) -> None:
         for expert_parallel in (True, False):
             model, _ = load(Shard(rank, 2, data_parallel_attention=True, expert_parallel=expert_parallel))
             outputs = steps(model)
-            mtp_logits = draft_logits(model, outputs[0]["hidden"]) if rank == 0 else None
-            results[expert_parallel] = {"steps": outputs, "mtp": mtp_logits}
+            results[expert_parallel] = {"steps": outputs, "mtp": draft_logits(model, outputs[0]["hidden"])}
         torch.save(results, out_dir / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -138,10 +138,14 @@ def test_two_ranks_match_one_device(ranks, single, expert_parallel):
 
 
 @pytest.mark.parametrize("expert_parallel", [True, False], ids=["expert-parallel", "experts-by-columns"])
-def test_mtp_on_rank_zero_reads_the_parallel_targets_hidden_states(ranks, single, expert_parallel):
-    got, want = ranks[0][expert_parallel]["mtp"], single["mtp"]
-    assert (got - want).abs().max().item() <= LOGITS_TOLERANCE
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+def test_the_mtp_draft_on_two_ranks_gives_one_devices_logits(ranks, single, expert_parallel):
+    """Each rank runs its part of the MTP layer (its rows' attention, its experts) over the parallel target's
+    hidden states; the all-reduces hand both ranks the same logits, the single-device draft's."""
+    for rank in range(2):
+        got, want = ranks[rank][expert_parallel]["mtp"], single["mtp"]
+        assert (got - want).abs().max().item() <= LOGITS_TOLERANCE
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert torch.equal(ranks[0][expert_parallel]["mtp"], ranks[1][expert_parallel]["mtp"])
 
 
 @pytest.mark.parametrize("expert_parallel", [True, False], ids=["expert-parallel", "experts-by-columns"])
@@ -223,13 +227,17 @@ def test_a_meta_model_builds_each_ranks_part_without_a_process_group():
     assert part.layers[1].mlp.experts.first_expert == 6
 
 
-def test_the_mtp_draft_stays_whole_beside_a_parallel_target():
-    target = DeepseekV3(config(), device="meta", shard=Shard(1, 2, data_parallel_attention=True, expert_parallel=True))
-    draft = mtp.build(
-        config(), WeightReader(DEMO, dtype=torch.float32), dtype=torch.float32, device="cpu", target=target
-    )
-    experts = draft.layer.mlp.experts
-    assert (experts.num_experts, experts.intermediate_size, experts.shard) == (8, 96, SINGLE)
+def test_the_mtp_draft_follows_the_targets_layout():
+    """Rank 1 of 2 (expert parallel) reads experts 4..7 of the MTP layer and half the shared experts' columns."""
+    shard = Shard(1, 2, data_parallel_attention=True, expert_parallel=True)
+    weights = WeightReader(DEMO, dtype=torch.float32)
+    target = DeepseekV3(config(), device="meta", shard=shard)
+    draft = mtp.build(config(), weights, dtype=torch.float32, device="cpu", target=target)
+    moe = draft.layer.mlp
+    assert (moe.experts.num_experts, moe.experts.first_expert, moe.experts.shard) == (4, 4, shard)
+    assert moe.shared_experts.down_proj.weight.shape[1] == config().moe_intermediate_size // 2
+    unread = [key for key in weights.unused() if key.startswith("model.layers.8.mlp.experts.")]
+    assert {int(key.split(".")[5]) for key in unread} == {0, 1, 2, 3}
 
 
 @pytest.mark.parametrize(
@@ -243,10 +251,3 @@ def test_the_mtp_draft_stays_whole_beside_a_parallel_target():
 def test_layouts_tandem_does_not_run_are_refused(shard, message):
     with pytest.raises(ValueError, match=message):
         DeepseekV3(config(), device="meta", shard=shard)
-
-
-def test_graph_mode_refuses_data_parallel_attention():
-    model = DeepseekV3(config(), device="meta", shard=Shard(0, 2, data_parallel_attention=True))
-    ids = torch.zeros(2, dtype=torch.int64, device="meta")
-    with pytest.raises(ValueError, match="runs eagerly"):
-        model.forward_layout(None, ids, ids, [])

@@ -70,7 +70,7 @@ def test_a_part_that_does_not_fit_is_refused_with_the_part(checkpoint):
     reader = WeightReader(path)
     with pytest.raises(CheckpointError, match=r"'a\.weight' \(stored \(12, 8\)\) has a part .*dim=0.* \(6, 8\), exp"):
         reader.take("a.weight", (4, 8), part=Part(0, 1, 2))  # the expected shape is a part's
-    with pytest.raises(CheckpointError, match=r"'a\.weight' \(12, 8\) along dim 1: 8 does not divide into 3"):
+    with pytest.raises(CheckpointError, match=r"'a\.weight' \(12, 8\) along dim 1: 8 does not divide over 3 ranks"):
         reader.take("a.weight", part=Part(1, 0, 3))
     for bad in (Part(2, 0, 1), Part(0, 2, 2)):  # no such dimension; no such piece
         with pytest.raises(CheckpointError, match=r"'a\.weight' \(12, 8\) has no part"):

@@ -1,5 +1,6 @@
 """The chained proposal that EAGLE, EAGLE-3 and MTP share: one step over the committed tokens,
-then ``k - 1`` single-token steps, each reading the previous step's output."""
+then ``k - 1`` single-token steps, each reading the previous step's output; and a worker rank's part of one
+(:func:`follow_chained`) when the draft's steps run over several ranks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tandem.models.config import LlamaConfig
 
 StepFn = Callable[[ForwardBatch, Tensor, KVCache], Tensor]  # (batch, hidden [T, *], cache) -> hidden [T, H]
 HeadFn = Callable[[Tensor], Tensor]  # hidden [B, H] -> logits [B, V] over the target vocabulary
+ReceiveFn = Callable[[int], Tensor]  # B -> the [B] int64 tokens the driver chose at a chained position
 
 
 def check_pair(config: LlamaConfig, target: Target, what: str) -> None:
@@ -48,3 +50,15 @@ def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor,
             batch = batch.following(tokens[:, i])
             h = step(batch, h, cache)
     return tokens
+
+
+def follow_chained(
+    step: StepFn, batch: ForwardBatch, hidden: Tensor, cache: KVCache, k: int, receive: ReceiveFn
+) -> None:
+    """A worker rank's part of a :func:`propose_chained` that the driver runs over several ranks: the same ``k``
+    steps into this rank's ``cache`` (their collectives meet the driver's), each chained position's tokens taken
+    from ``receive``: the driver alone reads the head and chooses them (under the grammar, with penalties)."""
+    h = step(batch, hidden, cache)[batch.last_token_indices()]
+    for _ in range(k - 1):
+        batch = batch.following(receive(batch.num_rows))
+        h = step(batch, h, cache)

@@ -18,9 +18,15 @@ checkpoint (draft kind ``"mtp"``) or in a separate NextN checkpoint (architectur
 MTP layer is used. The layer's ``embed_tokens`` and ``shared_head.head`` duplicate the target's
 embedding and head, which the draft shares instead (like vLLM and SGLang).
 
-Over several ranks (:class:`~tandem.models.parallel.Shard`) the draft runs whole on rank 0 only, its layer
-unsplit whatever the target's layout: DeepSeek-V3's embedding and LM head are whole on every rank, and the
-target's hidden states are every token's there (data-parallel attention all-reduces them).
+Over several ranks the MTP layer follows the target's layout (its :class:`~tandem.models.parallel.Shard`, as
+:mod:`tandem.models.deepseek_v3` describes it): attention data-parallel, each rank attending its own rows in its
+own draft cache (in graph mode every row of the padded batch, the others' as padding rows, their outputs
+zeroed); the MoE's experts split over the ranks and its shared experts by columns, their partial sums
+all-reduced; each rank reads only its part of the layer. The small ``enorm``/``hnorm``/``eh_proj`` and the
+shared head norm are whole on every rank, as are the embedding and LM head the draft borrows, and so are the
+target's hidden states (data-parallel attention all-reduces them). Every rank runs each step (SPMD: the
+driver's :meth:`propose`, the workers' :func:`~tandem.models.drafts.chained.follow_chained`, as
+:mod:`tandem.engine.workers` sends them); only the driver runs the head and chooses the tokens.
 """
 
 from __future__ import annotations
@@ -31,12 +37,12 @@ from torch import Tensor, nn
 from tandem.models.attention import RaggedLayout
 from tandem.models.base import BlockTable, DraftInput, DraftProposal, ForwardBatch, KVCache, Target
 from tandem.models.config import DeepseekV3Config
-from tandem.models.deepseek_v3 import DecoderLayer
+from tandem.models.deepseek_v3 import DecoderLayer, own_rows
 from tandem.models.drafts.chained import propose_chained
 from tandem.models.linear import Linear
 from tandem.models.loading import CheckpointError, TakeFn, WeightReader, load_param
 from tandem.models.norm import RMSNorm
-from tandem.models.parallel import SINGLE
+from tandem.models.parallel import SINGLE, Shard
 from tandem.models.rope import RotaryEmbedding
 
 
@@ -46,6 +52,7 @@ class MultiTokenPredictor(nn.Module):
     Args:
         config: the settings of the DeepSeek-V3 checkpoint the MTP layer belongs to.
         target: the target whose ``embed`` / ``lm_head`` the draft uses (not registered as a submodule).
+        shard: this rank's place, the target's (the module docstring); construction runs no collective.
     """
 
     hidden_kind = "last"
@@ -58,6 +65,7 @@ class MultiTokenPredictor(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        shard: Shard = SINGLE,
     ):
         super().__init__()
         if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
@@ -68,14 +76,13 @@ class MultiTokenPredictor(nn.Module):
         factory = {"dtype": dtype, "device": device}
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.layer_id = config.num_hidden_layers
-        self.latent_dim = config.latent_dim
+        self.latent_dim, self.shard = config.latent_dim, shard
         self.dtype = dtype or torch.get_default_dtype()  # of the parameters, the cache and the rotations
         self.rope = RotaryEmbedding(config.rope, config.qk_rope_head_dim, self.dtype)
         self.enorm = RMSNorm(hidden, eps=eps, **factory)
         self.hnorm = RMSNorm(hidden, eps=eps, **factory)
         self.eh_proj = Linear(2 * hidden, hidden, bias=False, **factory)
-        # Whole, on rank 0 alone: no collective inside, whatever the target's shard.
-        self.layer = DecoderLayer(config, self.layer_id, self.rope.softmax_scale_factor, shard=SINGLE, **factory)
+        self.layer = DecoderLayer(config, self.layer_id, self.rope.softmax_scale_factor, shard=shard, **factory)
         self.shared_head_norm = RMSNorm(hidden, eps=eps, **factory)
         self._embed, self._lm_head = target.embed, target.lm_head
 
@@ -101,17 +108,33 @@ class MultiTokenPredictor(nn.Module):
         )
 
     def step(self, batch: ForwardBatch, hidden: Tensor, cache: KVCache) -> Tensor:
-        """Run the MTP layer on pairs ``(hidden [T, H], batch.input_ids [T])``; returns ``g: [T, H]`` pre-norm."""
+        """Run the MTP layer on pairs ``(hidden [T, H], batch.input_ids [T])``; returns ``g: [T, H]`` pre-norm
+        (every token's on every rank: under data-parallel attention the layer attends this rank's rows only)."""
         cache.begin_forward(batch)
-        layout = RaggedLayout.build(batch, cache)
-        return self.step_layout(layout, batch.input_ids, batch.positions, hidden, cache.layers)
+        if self.shard.parallel and self.shard.data_parallel_attention:
+            layout, positions, tokens = own_rows(self.shard, batch, cache)
+        else:
+            layout, positions, tokens = RaggedLayout.build(batch, cache), batch.positions, None
+        return self.step_layout(layout, batch.input_ids, positions, hidden, cache.layers, tokens)
 
     def step_layout(
-        self, layout: RaggedLayout, input_ids: Tensor, positions: Tensor, hidden: Tensor, layers: list[Tensor]
+        self,
+        layout: RaggedLayout | None,
+        input_ids: Tensor,
+        positions: Tensor,
+        hidden: Tensor,
+        layers: list[Tensor],
+        attention_tokens: Tensor | None = None,
+        owned: Tensor | None = None,
     ) -> Tensor:
-        """:meth:`step`'s tensor body over a planned ``layout`` (``input_ids, positions [T]``); compiles whole."""
+        """:meth:`step`'s tensor body over a planned ``layout`` (``input_ids [T]``); compiles whole. ``layout`` and
+        ``positions`` are those of the tokens attention runs over: all T, or under data-parallel attention this
+        rank's rows' (``layout`` None when it owns none), whose indices among the T are ``attention_tokens``; in
+        graph mode all T, with ``owned [T] bool`` marking this rank's rows' tokens
+        (:meth:`~tandem.models.deepseek_v3.DecoderLayer.forward`)."""
         fused = self.eh_proj(torch.cat([self.enorm(self._embed(input_ids)), self.hnorm(hidden)], dim=-1))
-        return self.layer(fused, self.rope(positions, layout.max_key), layout, layers[0])
+        rope = None if layout is None else self.rope(positions, layout.max_key)
+        return self.layer(fused, rope, layout, layers[0], attention_tokens, owned)
 
     def logits(self, g: Tensor) -> Tensor:
         """``g: [N, H]`` pre-norm MTP output -> ``[N, V] float32``."""
@@ -151,13 +174,15 @@ def build(
     device: torch.device,
     target: Target | None = None,
 ) -> MultiTokenPredictor:
-    """The :mod:`tandem.models.loading` builder: the MTP draft from the first layer after ``num_hidden_layers``.
+    """The :mod:`tandem.models.loading` builder: the MTP draft from the first layer after ``num_hidden_layers``, in
+    the target's layout (its ``shard``: only this rank's part of the layer is read).
 
     Every tensor outside ``model.layers.{L}.`` is left alone (the target's, or further MTP layers).
     """
     if target is None:
         raise ValueError("the MTP draft shares the target's embedding and head: pass the target")
-    draft = MultiTokenPredictor(config, target, dtype=dtype, device="meta").to_empty(device=device)  # weights follow
+    shard = getattr(target, "shard", SINGLE)
+    draft = MultiTokenPredictor(config, target, dtype=dtype, device="meta", shard=shard).to_empty(device=device)
     if draft.prefix + "eh_proj.weight" not in weights:
         raise CheckpointError(
             f"{weights.path}: no MTP layer ({draft.prefix}eh_proj.weight missing; "
@@ -165,5 +190,6 @@ def build(
         )
     draft.load(weights.take)
     prefix = draft.prefix.replace(".", r"\.")
-    weights.finish(ignore=[rf"(?!{prefix})", rf"{prefix}embed_tokens\.", rf"{prefix}shared_head\.head\."])
+    shared = [rf"{prefix}embed_tokens\.", rf"{prefix}shared_head\.head\."]  # the target's, which the draft uses
+    weights.finish(ignore=[rf"(?!{prefix})", *shared, *draft.layer.foreign_keys(draft.prefix)])
     return draft.eval().requires_grad_(False)
