@@ -117,14 +117,15 @@ def choose_drafts(
     forced = k_max * (rows - len(free))
     base = sum(expected_tokens(a, k_max) if p else 1.0 for a, p in zip(rates, pinned))
     marginals = sorted(((rates[b] ** j, j, b) for b in free for j in range(1, k_max + 1)), reverse=True)
+    verify = [cost(rows + forced + m) for m in range(len(marginals) + 1)]  # seconds by drafts verified
+    propose = [draft_cost(draft_passes(j, draft_always)) for j in range(k_max + 1)]  # by the most a row drafts
     best, best_cap, best_m = -1.0, 0, 0
     for cap in [k_max] if forced else range(k_max + 1):  # a pinned row makes the draft run k_max passes anyway
         gains = [gain for gain, j, _ in marginals if j <= cap and gain > 0.0]
         gained = base
         for m in range(len(gains) + 1):
             gained += gains[m - 1] if m else 0.0
-            passes = draft_passes(cap if m or forced else 0, draft_always)
-            value = gained / (cost(rows + forced + m) + draft_cost(passes))
+            value = gained / (verify[m] + propose[cap if m or forced else 0])
             if value > best:
                 best, best_cap, best_m = value, cap, m
     counts = [k_max if p else 0 for p in pinned]
@@ -198,14 +199,18 @@ class AdaptivePolicy:
             return prior
         return (e.accepted + self.prior_weight * prior) / (e.tried + self.prior_weight)
 
-    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
-        """A commit's outcome for a row that verified `drafted` drafts and accepted `accepted`."""
+    def observe(self, request_id: str, drafted: int, accepted: int, asked: int = 0) -> None:
+        """A commit's outcome for a row that verified `drafted` drafts and accepted `accepted`, of `asked` the
+        policy asked the draft for. A draft with fewer proposals than asked (an n-gram without a match) failed
+        at the first position it left empty, if the row reached it: a row's rate is what asking it yields, so a
+        draft that rarely has a proposal is rarely asked, though its proposals, when there, are good."""
         e = self.rows.setdefault(request_id, RowEstimate())
-        if drafted == 0:
+        missed = drafted < asked and accepted == drafted
+        if drafted == 0 and not missed:
             e.idle += 1
             return
         e.idle = 0
-        tried = min(accepted + 1, drafted)
+        tried = min(accepted + 1, drafted) + missed
         e.accepted = self.decay * e.accepted + accepted
         e.tried = self.decay * e.tried + tried
         self.overall.accepted = 0.99 * self.overall.accepted + accepted

@@ -507,7 +507,7 @@ class Engine:
             stats.accepted += min(num_accepted, len(emitted))
             if self.policy is not None:  # the chosen drafts: a forced run after them is accepted surely once reached
                 chosen = len(r.drafts) - r.forced_run
-                self.policy.observe(r.request_id, chosen, min(num_accepted, chosen))
+                self.policy.observe(r.request_id, chosen, min(num_accepted, chosen), r.asked_drafts)
             r.clear_drafts()
             self.target_cache.truncate([r.slot], [len(r.tokens) - 1])
             reason = finish_reason(
@@ -656,6 +656,7 @@ class Engine:
                 self.policy.draft_seconds(passes),
             )
         for b, r in enumerate(live):
+            r.asked_drafts = limits[b]
             r.forced_run = runs[b] if verify_runs[b] else 0
             n = prefixes[b] + r.forced_run
             r.drafts = walk.path(b)[:n] if forcing else proposed[b][:n]

@@ -33,6 +33,7 @@ class Request:
     draft_probs: torch.Tensor | None = None  # [len(drafts), V] or None (deterministic)
     draft_forced: list[bool] = field(default_factory=list)  # per draft: forced by the grammar (accepted surely)
     forced_run: int = 0  # the last drafts: the forced run verified past the chosen ones
+    asked_drafts: int = 0  # the drafts adaptive speculation asked of the draft for the next verify (it may have fewer)
     # The drafts' verify masks from the draft's grammar walk: (bitmask [k+1, W], in_thinking [k+1])
     walked_masks: tuple[torch.Tensor, torch.Tensor] | None = None
     slot: int = -1  # its KV-cache slot while it runs; -1 while it waits or once it finished
@@ -45,6 +46,7 @@ class Request:
     def clear_drafts(self) -> None:
         """Forget the pending drafts and what came with them (verified, or dropped by a preemption)."""
         self.drafts, self.draft_probs, self.walked_masks, self.draft_forced, self.forced_run = [], None, None, [], 0
+        self.asked_drafts = 0
 
 
 def validate(prompt: list[int], params: SamplingParams, *, max_model_len: int, k: int, vocab_size: int) -> None:

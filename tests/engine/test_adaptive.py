@@ -92,6 +92,21 @@ def test_policy_learns_from_commits_and_probes():
     assert policy.rate("r") == policy.prior_rate() < 0.1  # a new row starts from the overall rate
 
 
+def test_a_draft_without_a_proposal_where_one_was_asked_counts_as_rejected():
+    """An n-gram draft's proposals may be good when it has one (3 of 4 accepted here), but asked each step it
+    mostly has none: the rate is what asking yields, so it falls below what its proposals alone would give,
+    and where a verified token costs half a step the row stops asking (but to probe)."""
+    cost = CostModel([1, 5], [1.0, 3.0])
+    asking, proposals = (AdaptivePolicy(4, cost, draft_always=False, prior=0.9) for _ in range(2))
+    for step in range(40):
+        hit = step % 5 == 0
+        asking.observe("r", 4 if hit else 0, 3 if hit else 0, 4)
+        proposals.observe("r", 4 if hit else 0, 3 if hit else 0)  # the misses unseen: idle steps
+    assert asking.rate("r") < 0.45 < 0.65 < proposals.rate("r")
+    assert asking.choose(["r"]) == [0] and proposals.choose(["r"])[0] > 0
+    assert asking.rows["r"].idle == 0 and proposals.rows["r"].idle == 4
+
+
 # ------------------------------------------------------------------ the engine
 
 

@@ -53,7 +53,9 @@ def test_plain_greedy_equals_transformers_generate(llama_dirs, llama_target, tok
 def test_speculative_greedy_equals_plain_greedy_token_for_token(llama_target, llama_drafts, tokenizer, draft, batch):
     params = SamplingParams(max_tokens=32)
     plain = run(llama_target, None, tokenizer, PROMPTS[:batch], params)
-    spec = run(llama_target, llama_drafts[draft], tokenizer, PROMPTS[:batch], params)
+    # An n-gram draft that mostly has no proposal is rarely asked by adaptive speculation, which may leave it
+    # nothing to verify in 32 tokens: at a fixed k its proposals are verified (adaptive's exactness has its own tests).
+    spec = run(llama_target, llama_drafts[draft], tokenizer, PROMPTS[:batch], params, adaptive=draft != "ngram")
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert sum(o.stats.drafted for o in spec) > 0
 
