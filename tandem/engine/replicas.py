@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -42,6 +43,7 @@ from tandem.engine.workers import WorkerError, devices_here, launched
 
 IDLE_WAIT_S = 0.05  # how long a step with nothing to run locally waits for the other replicas' messages
 STOP_WAIT_S = 10.0  # how long a replica may take to close its engine (and its ranks) and exit before it is ended
+READY_TIMEOUT_S = 600.0  # how long a replica may take to build its engine (vLLM's engine-ready wait is as long)
 
 
 def replica_devices(replicas: int, tensor_parallel_size: int, device: torch.device) -> list[torch.device]:
@@ -107,12 +109,19 @@ class ReplicaProcesses:
             theirs.close()  # the child's end lives in the child: its exit then ends our reads (EOFError)
             self.remotes.append(_Remote(index, process, ours))
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Block until every replica's engine is built (each one's config is then set), in whatever order they
-        finish; the first that fails or exits raises, naming it, with the others stopped."""
+        finish; the first that fails or exits raises, naming it, with the others stopped, as do replicas still
+        building after `timeout_s` (a hung build ends start-up, not waits forever)."""
         starting = {remote.conn: remote for remote in self.remotes if not remote.started}
+        deadline = time.monotonic() + timeout_s
         while starting:
-            for conn in wait(list(starting)):
+            ready = wait(list(starting), timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                self.close()
+                names = ", ".join(str(remote.index) for remote in starting.values())
+                raise WorkerError(f"replica {names} did not start within {timeout_s:g} s (still building; stopped)")
+            for conn in ready:
                 remote = starting.pop(conn)
                 _, remote.config = self.recv(remote)  # before "ready" a replica sends nothing else ("failed": raised)
 

@@ -211,7 +211,7 @@ def test_torchrun_launches_the_ranks_and_rank_zero_answers(capsys):
         text=True,
         timeout=240,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[:4000] + "\n[...]\n" + done.stderr[-3000:]  # the first rank to fail, too
     assert main(command) == 0
     single = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     answers = [line for line in done.stdout.splitlines() if line.startswith("{")]

@@ -139,3 +139,13 @@ def test_a_replica_that_cannot_start_is_named_and_the_others_are_stopped():
         replicas.wait_ready()
     assert time.monotonic() - started < 120
     assert not any(remote.process.is_alive() for remote in replicas.remotes)
+
+
+def test_a_replica_still_building_past_the_timeout_is_named_and_stopped():
+    """A replica whose build hangs ends start-up within the timeout, named, its process stopped."""
+    replicas = ReplicaProcesses([functools.partial(time.sleep, 600)])
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"replica 1 did not start within 3 s"):
+        replicas.wait_ready(timeout_s=3)
+    assert 3 <= time.monotonic() - started < 60
+    assert not any(remote.process.is_alive() for remote in replicas.remotes)
