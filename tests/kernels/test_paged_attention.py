@@ -169,14 +169,10 @@ def test_mla_latent_cache_one_head_whose_values_are_the_keys_first_entries(dim, 
     torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
 
 
-def test_a_target_over_scattered_blocks_gives_the_torch_paths_logits(tmp_path, monkeypatch):
-    """A tiny GQA Llama's prefill, verify and decode steps: every layer through the kernel, logits as the torch
-    path's."""
-    from tandem.models.loading import load_target
-    from tests.models.conftest import save_tiny_llama
-
-    save_tiny_llama(tmp_path, num_hidden_layers=2)
-    target = load_target(tmp_path, device=DEVICE)
+def assert_triton_logits_equal_torch_logits(target, monkeypatch) -> int:
+    """Prefill, verify and decode steps of two rows over out-of-order blocks, one cache per backend: the target's
+    logits through the kernel ("triton") as the torch path's (float32: both accumulate in float32). Returns the
+    steps run."""
     caches = []
     for _ in range(2):
         table = BlockTable(2, 32, 4, 12, DEVICE)
@@ -195,6 +191,17 @@ def test_a_target_over_scattered_blocks_gives_the_torch_paths_logits(tmp_path, m
             monkeypatch.setattr(attention, "attention_backend", backend)
             logits.append(target.forward(batch, cache).logits)
         torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+    return len(steps)
+
+
+def test_a_target_over_scattered_blocks_gives_the_torch_paths_logits(tmp_path, monkeypatch):
+    """A tiny GQA Llama's prefill, verify and decode steps: every layer through the kernel, logits as the torch
+    path's."""
+    from tandem.models.loading import load_target
+    from tests.models.conftest import save_tiny_llama
+
+    save_tiny_llama(tmp_path, num_hidden_layers=2)
+    assert_triton_logits_equal_torch_logits(load_target(tmp_path, device=DEVICE), monkeypatch)
 
 
 def test_an_unknown_backend_is_refused_by_name(monkeypatch):
