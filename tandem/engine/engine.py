@@ -550,7 +550,7 @@ class Engine:
         walk = self.step_masks.walk(live) if follows or forcing else None
         proposed, probs = [[] for _ in live], None
         # The draft proposes as far as the row that drafts most (its first pass always, if it keeps a cache).
-        passes = self.k if keep is None else draft_passes(max(keep), not self._draft_skippable)
+        passes = self.k if keep is None else draft_passes(max(keep), self.policy.draft_always)
         try:
             if run_draft:
                 proposed, probs = self._draft_proposal(live, rows, out, batch, walk if follows else None, passes)
