@@ -11,7 +11,9 @@ the same weights, handed over key by key as a checkpoint's would be. Then, in on
   ``roofline_tokens_per_s`` its inverse;
 - tandem, eager and graph mode: the engine's plain greedy decode of ``--tokens`` tokens at batch 1 (one
   row that ignores EOS): ``wall_ms`` and ``device_ms`` per step (``graph_steps.measure_case``),
-  ``tokens_per_s`` and its share of the roofline's;
+  ``tokens_per_s`` and its share of the roofline's. Graph mode runs once per ``--attention``: ``cudnn``
+  (the default: sdpa, cuDNN's kernel inside graphs), ``sdpa`` (sdpa's flash and memory-efficient kernels
+  only) and ``triton`` (the paged-attention kernel, ``TANDEM_ATTENTION=auto``);
 - transformers: ``generate`` (greedy, ``min_new_tokens`` = ``max_new_tokens`` = ``--tokens``) with a static
   cache, which compiles its forward with torch.compile; tokens/s of a second call (the first compiles),
   prefill included, and tandem's end-to-end tokens/s for the same prompt and tokens beside it.
@@ -33,7 +35,7 @@ from graph_steps import measure_case, sync
 from tandem import SamplingParams
 from tandem.engine.engine import Engine, EngineConfig
 from tandem.llm import ASSETS_DIR
-from tandem.models import llama3
+from tandem.models import attention, llama3
 from tandem.models.config import LlamaConfig
 from tandem.models.loading import load_tokenizer
 
@@ -93,6 +95,14 @@ def bandwidth_gbs(device: torch.device, gib: float) -> float:
     return 2 * source.numel() / best / 1e9
 
 
+# --attention: how graph mode's attention runs, as (TANDEM_ATTENTION, sdpa's backends inside a graph)
+ATTENTION = {
+    "cudnn": ("torch", attention.GRAPH_SDPA_BACKENDS),
+    "sdpa": ("torch", attention.CUDA_SDPA_BACKENDS),
+    "triton": ("auto", attention.GRAPH_SDPA_BACKENDS),
+}
+
+
 def tandem_engine(target, tokenizer, mode: str, max_len: int) -> Engine:
     config = EngineConfig(max_num_seqs=1, max_model_len=max_len, graph_mode=mode, enable_prefix_caching=False)
     return Engine(target, None, tokenizer, config)
@@ -134,6 +144,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="timed (and profiled) engine steps")
     parser.add_argument("--copy-gib", type=float, default=4.0)
     parser.add_argument("--graph-mode", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
+    parser.add_argument("--attention", nargs="+", choices=sorted(ATTENTION), default=["cudnn", "sdpa", "triton"])
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), torch.bfloat16
@@ -152,21 +163,26 @@ def main() -> None:
     prompt = torch.randint(len(tokenizer), (32,), generator=torch.Generator().manual_seed(1)).tolist()
     timing = SimpleNamespace(warmup=4, steps=args.steps, k=0)
     max_len = len(prompt) + max(args.tokens, timing.warmup + 3 * args.steps) + 8
-    for mode in args.graph_mode:
+    cases = {  # the report's key -> graph mode, attention
+        f"tandem_{mode}" + (f"_{name}" if mode == "compiled" else ""): (mode, name)
+        for mode in args.graph_mode
+        for name in (args.attention if mode == "compiled" else ["cudnn"])
+    }
+    for path, (mode, name) in cases.items():
+        attention.attention_backend, attention.GRAPH_SDPA_BACKENDS = ATTENTION[name]
         engine = tandem_engine(target, tokenizer, mode, max_len)
-        row = {"path": f"tandem {mode}", **measure_case(engine, [prompt], timing)}
+        row = {"path": path, **measure_case(engine, [prompt], timing)}
         row["end_to_end_tokens_per_s"] = round(args.tokens / end_to_end_s(engine, prompt, args.tokens), 1)
         if "roofline_tokens_per_s" in report:
             row["of_roofline"] = round(row["tokens_per_s"] / report["roofline_tokens_per_s"], 3)
-        report[f"tandem_{mode}"] = row
+        report[path] = row
         print(json.dumps(row), flush=True)
         del engine
     if not args.skip_transformers:
         rate = transformers_tokens_per_s(model, prompt, args.tokens)
         report["transformers_static_compiled_tokens_per_s"] = round(rate, 1)
-        for mode in args.graph_mode:
-            tandem_rate = report[f"tandem_{mode}"]["end_to_end_tokens_per_s"]
-            report[f"tandem_{mode}_over_transformers"] = round(tandem_rate / rate, 3)
+        for path in cases:
+            report[f"{path}_over_transformers"] = round(report[path]["end_to_end_tokens_per_s"] / rate, 3)
     print(json.dumps(report))
 
 

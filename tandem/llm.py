@@ -170,12 +170,14 @@ class LLM:
         return [self.engine.pop_finished(request_id) for request_id in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield the request's new reasoning/answer text step by step; the last delta has a finish_reason."""
+        """Yield the request's new reasoning/answer text step by step, and the token ids of each step (a step whose
+        tokens show no text yet, part of a character or a thinking marker, gives a delta with ids only); the last
+        delta has a finish_reason."""
         request_id = self.engine.add_request(self.encode(prompt), params or SamplingParams())
         try:
             while True:
                 for delta in self.engine.step():
-                    if delta.request_id == request_id and (delta.has_content or delta.finish_reason):
+                    if delta.request_id == request_id and (delta.token_ids or delta.has_content or delta.finish_reason):
                         yield delta
                     if delta.request_id == request_id and delta.finish_reason is not None:
                         self.engine.pop_finished(request_id)

@@ -110,6 +110,20 @@ def test_graph_steps_times_rows_that_run_through_eos_and_leaves_the_engine_empty
     assert ratios["eagle3", None]["compiled_over_eager"] == 2.4 and ratios["plain", None]["compiled_over_eager"] == 2.0
 
 
+def test_the_adaptive_benchmark_reports_each_case_and_what_the_policy_chose(monkeypatch, capsys):
+    import json
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    adaptive = _script("adaptive")
+    argv = "--models demo-llama --device cpu --graph-mode eager --prompts 1 --max-tokens 12 --repeats 1"
+    assert adaptive.main(argv.split()) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["models"]["demo-llama+eagle3"]
+    assert rows["plain"]["tokens_per_step"] == 1.0 and rows["fixed"]["tokens_per_step"] > 1.0
+    assert all(rows[case]["over_plain"] > 0 for case in ("adaptive", "fixed"))
+    policy = rows["adaptive"]
+    assert sum(policy["chosen"].values()) > 0 and 1 in map(int, policy["verify_ms"])
+
+
 def test_the_large_target_benchmark_hands_tandem_the_transformers_weights(monkeypatch):
     import torch
 

@@ -13,9 +13,10 @@ tokens: ``cost`` is the measured time of a target forward plus acceptance over T
 calibrated once at engine start, then a running mean of the steps' own measured times at each T, the
 engine's per-step host work included) and ``draft(J)`` the measured time of a proposal of J chained
 passes, ``J = max_b j_b``: the draft proposes only as far as the row that drafts most (a `CostModel` over
-passes, from the proposals' own timings). A draft that keeps a cache runs its first pass anyway (J is at
-least 1 for it); a draft that keeps none costs nothing when no row drafts. The policy picks the ``j_b`` in
-0..k_max maximising
+passes, from the proposals' own timings). When no row drafts (J = 0) the draft does not run: a draft without
+state needs nothing, and one that reads the target's hidden states takes the step's tokens when a row next
+drafts (`batching.defer_draft`); over several ranks, where the ranks run such a draft, it runs its first pass
+anyway (J is at least 1 for it). The policy picks the ``j_b`` in 0..k_max maximising
 
     sum_b E_b(j_b) / (cost(sum_b (j_b + 1)) + draft(max_b j_b))
 
@@ -58,33 +59,40 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CostModel:
-    """Seconds of a verify step over T tokens, interpolated linearly between measured points (and
-    extrapolated with the last slope). A longer step never costs less: the model reads the running
-    maximum of its points, since a noisy measurement that made a wider verify look cheaper would make
-    drafts look free to verify."""
+    """Seconds of a step by its size (a verify's T tokens, a proposal's passes), interpolated linearly between
+    measured points (and extrapolated with the last slope; 0 with no point yet). A longer step never costs less:
+    the model reads the running maximum of its points, since a noisy measurement that made a wider verify look
+    cheaper would make drafts look free to verify."""
 
     tokens: list[int]  # increasing
     seconds: list[float]  # as measured
     _monotone: list[float] = field(init=False, repr=False)  # running maximum of `seconds`
+    _warmed: set[int] = field(default_factory=set, repr=False)  # points not in the model whose first timing came
 
     def __post_init__(self) -> None:
         self._monotone = list(itertools.accumulate(self.seconds, max))
 
     def __call__(self, num_tokens: int) -> float:
         ts, cs = self.tokens, self._monotone
-        if len(ts) == 1:
-            return cs[0] * num_tokens / ts[0]
+        if len(ts) <= 1:
+            return 0.0 if not ts else cs[0] * num_tokens / ts[0] if ts[0] else cs[0]
         i = min(max(bisect.bisect_left(ts, num_tokens), 1), len(ts) - 1)
         t0, t1, c0, c1 = ts[i - 1], ts[i], cs[i - 1], cs[i]
         return max(c0 + (c1 - c0) * (num_tokens - t0) / (t1 - t0), 1e-9)
 
-    def observe(self, num_tokens: int, seconds: float, *, replace: bool = False) -> None:
-        """A step's measured time over `num_tokens`: a running mean at that point (inserted if new; `replace`:
-        this time instead, the point's was a warm-up's), so the model comes to include the engine's own per-step
-        work on this device."""
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """A step's measured time at size `num_tokens`: a running mean at that point, so the model comes to include
+        the engine's own per-step work on this device. A point not in the model enters with its second timing: the
+        first at a new shape is a warm-up (a graph built, buffers allocated), often many times a step's time, and
+        kept it would make the policy shun that shape, and so never time it again. For the same reason a timing
+        counts at most twice the point's value: a stall (another process, a collection) moves it by a step's
+        mean weight, not by the stall."""
         i = bisect.bisect_left(self.tokens, num_tokens)
         if i < len(self.tokens) and self.tokens[i] == num_tokens:
-            self.seconds[i] = seconds if replace else 0.8 * self.seconds[i] + 0.2 * seconds
+            self.seconds[i] = 0.8 * self.seconds[i] + 0.2 * min(seconds, 2 * self.seconds[i])
+        elif num_tokens not in self._warmed:
+            self._warmed.add(num_tokens)
+            return
         else:
             self.tokens.insert(i, num_tokens)
             self.seconds.insert(i, seconds)
@@ -101,14 +109,13 @@ def choose_drafts(
     k_max: int,
     cost: CostModel,
     draft_cost: Callable[[int], float],
-    draft_always: bool,
     pinned: list[bool] | None = None,
 ) -> list[int]:
     """The drafts per row (0..k_max) maximising expected committed tokens per second (the module's rule).
 
-    rates: each row's per-position acceptance estimate; draft_cost: seconds of a proposal by its chained
-    passes (:func:`draft_passes`); draft_always: the draft runs every step (it keeps a cache); pinned: rows
-    that verify k_max drafts whatever the rule says (their cost and gain still count)."""
+    rates: each row's per-position acceptance estimate; draft_cost: the draft's seconds in a step by the most
+    drafts any row verifies (0: no row drafts; :meth:`AdaptivePolicy.draft_seconds`); pinned: rows that verify
+    k_max drafts whatever the rule says (their cost and gain still count)."""
     rows = len(rates)
     pinned = pinned or [False] * rows
     if rows == 0 or k_max == 0:
@@ -118,7 +125,7 @@ def choose_drafts(
     base = sum(expected_tokens(a, k_max) if p else 1.0 for a, p in zip(rates, pinned))
     marginals = sorted(((rates[b] ** j, j, b) for b in free for j in range(1, k_max + 1)), reverse=True)
     verify = [cost(rows + forced + m) for m in range(len(marginals) + 1)]  # seconds by drafts verified
-    propose = [draft_cost(draft_passes(j, draft_always)) for j in range(k_max + 1)]  # by the most a row drafts
+    propose = [draft_cost(j) for j in range(k_max + 1)]  # by the most a row drafts
     best, best_cap, best_m = -1.0, 0, 0
     for cap in [k_max] if forced else range(k_max + 1):  # a pinned row makes the draft run k_max passes anyway
         gains = [gain for gain, j, _ in marginals if j <= cap and gain > 0.0]
@@ -136,8 +143,7 @@ def choose_drafts(
 
 def draft_passes(most_drafts: int, draft_always: bool) -> int:
     """The chained passes a proposal runs when the row that drafts most drafts `most_drafts`: at least the first
-    one for a draft that keeps a cache (it writes the committed tokens' entries), none for one that does not
-    when no row drafts."""
+    one for a draft that runs every step (`AdaptivePolicy.draft_always`), none for others when no row drafts."""
     return max(most_drafts, 1) if draft_always else most_drafts
 
 
@@ -176,13 +182,12 @@ class AdaptivePolicy:
 
     k_max: int
     cost: CostModel
-    draft_always: bool  # the draft runs its first pass every step anyway (it keeps a cache)
+    draft_always: bool  # the draft runs its first pass every step anyway (the ranks run it: the module's docstring)
     prior: float = 0.5  # a0: the acceptance rate a new row starts from
     prior_weight: float = 2.0  # w: in tried positions
     decay: float = 0.9  # weight of the past per update
     probe_every: int = 8  # a row without drafts for this many steps drafts one
-    draft_cost: CostModel | None = None  # seconds of a proposal by its passes, from measured ones (None: none yet)
-    draft_timings: collections.Counter = field(default_factory=collections.Counter)  # passes -> proposals timed
+    draft_cost: CostModel = field(default_factory=lambda: CostModel([], []))  # a proposal's seconds by its passes
     rows: dict[str, RowEstimate] = field(default_factory=dict)
     overall: RowEstimate = field(default_factory=RowEstimate)  # every row's outcomes (decay 0.99): the prior
     chosen: collections.Counter = field(default_factory=collections.Counter)  # k -> row-steps
@@ -217,17 +222,15 @@ class AdaptivePolicy:
         self.overall.tried = 0.99 * self.overall.tried + tried
 
     def observe_draft_time(self, seconds: float, passes: int) -> None:
-        """A proposal's measured time over `passes` chained passes; the first of each length is a warm-up and
-        only counts until the second."""
-        self.draft_timings[passes] += 1
-        if self.draft_cost is None:
-            self.draft_cost = CostModel([passes], [seconds])
-        else:
-            self.draft_cost.observe(passes, seconds, replace=self.draft_timings[passes] == 2)
+        """A proposal's measured time over `passes` chained passes."""
+        self.draft_cost.observe(passes, seconds)
 
-    def draft_seconds(self, passes: int) -> float:
-        """The expected time of a proposal of `passes` chained passes (0 for none, or before any was timed)."""
-        return 0.0 if passes == 0 or self.draft_cost is None else self.draft_cost(passes)
+    def draft_seconds(self, most_drafts: int) -> float:
+        """The draft's expected time in a step where the row that drafts most drafts `most_drafts`: a proposal of
+        :func:`draft_passes` chained passes, 0 for none. 0 before any timing: the policy then tries drafting, and
+        so times it."""
+        passes = draft_passes(most_drafts, self.draft_always)
+        return self.draft_cost(passes) if passes else 0.0
 
     def forced_runs(
         self, request_ids: list[str], forced: list[list[bool]], runs: list[int], pinned: list[bool], draft_cost: float
@@ -243,9 +246,7 @@ class AdaptivePolicy:
     def choose(self, request_ids: list[str], pinned: list[bool] | None = None) -> list[int]:
         """Each row's drafts for its next verify (0..k_max), probes included; counted in `chosen`.
         `pinned` rows keep k_max (sampled rows: see the module docstring)."""
-        counts = choose_drafts(
-            [self.rate(r) for r in request_ids], self.k_max, self.cost, self.draft_seconds, self.draft_always, pinned
-        )
+        counts = choose_drafts([self.rate(r) for r in request_ids], self.k_max, self.cost, self.draft_seconds, pinned)
         for b, r in enumerate(request_ids):
             e = self.rows.get(r)
             if counts[b] == 0 and e is not None and e.idle + 1 >= self.probe_every:

@@ -19,7 +19,7 @@ from tandem.decoding.penalties import LogitAdjustments
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
 from tandem.engine import sampling
 from tandem.engine.graphs import GraphRunner
-from tandem.engine.request import Request
+from tandem.engine.request import Request, Undrafted
 from tandem.models.attention import RaggedLayout
 from tandem.models.base import ForwardBatch, KVCache, RowSpans
 
@@ -128,25 +128,35 @@ def draft_batch(
     steps' layouts over ``cache`` (the draft's):
 
     - the batch of each row's newly committed tokens, from the position after the verify's first (a prefill
-      chunk's: those after each of its positions);
+      chunk's: those after each of its positions), after those the draft has not taken yet (`Request.undrafted`,
+      steps where no row drafted);
     - the target's hidden states (``hidden_all``, the verify's, or None) at the position before each
       of those tokens;
     - each row's whole history of tokens (on the host: n-gram lookup);
     - with ``vocab_size``, the rows' penalties and logit biases over their committed output, which a draft that
       chooses its tokens proposes under (None when no row has any, or without ``vocab_size``).
     """
-    index = {id(r): b for b, r in enumerate(rows)}
-    offsets = verify.spans.offsets()
-    ids, starts, lengths, hidden_rows, histories = [], [], [], [], []
-    for r in live:
-        b = index[id(r)]
-        start = verify.spans.starts[b] + 1
-        new_tokens = r.tokens[start : start + verify.spans.lengths[b]]  # paired with the hidden state before each
+    committed = _committed(live, rows, verify)
+    # The hidden states are rows of `hidden_all` and, for the tokens a row's draft has not taken yet, of its
+    # `Undrafted.hidden` (appended after hidden_all's rows): one gather of them all.
+    sources = [] if hidden_all is None else [hidden_all]
+    kept = 0 if hidden_all is None else len(hidden_all)
+    ids, starts, lengths, histories, hidden_rows = [], [], [], [], []
+    for r, (start, rows_now) in zip(live, committed):
+        behind = r.undrafted if r.undrafted is not None and r.undrafted.end == start else None
+        first = start
+        if behind is not None and hidden_all is not None:
+            first = behind.start
+            sources.append(behind.hidden)
+            hidden_rows.extend(range(kept, kept + len(behind.hidden)))
+            kept += len(behind.hidden)
+        hidden_rows.extend(rows_now)
+        new_tokens = r.tokens[first : start + len(rows_now)]  # paired with the hidden state before each
         ids.extend(new_tokens)
-        starts.append(start)
+        starts.append(first)
         lengths.append(len(new_tokens))
-        hidden_rows.extend(range(offsets[b], offsets[b] + len(new_tokens)))
         histories.append(int64_tensor(r.tokens))
+        r.undrafted = None
     spans = RowSpans(starts, lengths, [r.slot for r in live])
     staging = Staging(device)
     batch = ForwardBatch.build(staging.int64(ids), spans, staging=staging)
@@ -157,4 +167,32 @@ def draft_batch(
     elif cache is not None and num_steps > 0:
         RaggedLayout.stage(spans, cache, staging, num_steps)
     staging.send()
-    return batch, None if hidden_all is None else hidden_all[hidden_index], histories, adjustments
+    hidden = None if hidden_all is None else (torch.cat(sources) if len(sources) > 1 else hidden_all)[hidden_index]
+    return batch, hidden, histories, adjustments
+
+
+def defer_draft(live: list[Request], rows: list[Request], verify: ForwardBatch, hidden_all: torch.Tensor) -> None:
+    """Keep, instead of giving them to the draft now, each `live` row's newly committed tokens' hidden states
+    (``hidden_all``: the verify's): the next :func:`draft_batch` feeds the draft every token it has not taken, so
+    a step where no row drafts costs the draft nothing (`Request.undrafted`)."""
+    for r, (start, hidden_rows) in zip(live, _committed(live, rows, verify)):
+        hidden = hidden_all[hidden_rows.start : hidden_rows.stop].clone()  # a graph's output is overwritten
+        behind = r.undrafted if r.undrafted is not None and r.undrafted.end == start else None
+        if behind is None:
+            r.undrafted = Undrafted(start, hidden)
+        else:
+            r.undrafted = Undrafted(behind.start, torch.cat([behind.hidden, hidden]))
+
+
+def _committed(live: list[Request], rows: list[Request], verify: ForwardBatch) -> list[tuple[int, range]]:
+    """Each `live` row's newly committed tokens after a verify over `rows`: the position after the verify's first
+    (a prefill chunk's: those after each of its positions), and the verify's rows of their hidden states."""
+    index = {id(r): b for b, r in enumerate(rows)}
+    offsets = verify.spans.offsets()
+    out = []
+    for r in live:
+        b = index[id(r)]
+        start = verify.spans.starts[b] + 1
+        count = len(r.tokens[start : start + verify.spans.lengths[b]])
+        out.append((start, range(offsets[b], offsets[b] + count)))
+    return out

@@ -31,9 +31,11 @@ committed tokens.
 
 Adaptive speculation (`EngineConfig.adaptive`, on by default): before each propose, `adaptive.AdaptivePolicy`
 chooses every row's drafts for the next verify (0..k) from its acceptance so far and the verify cost
-measured at engine start (`Engine._calibrate`); the draft still proposes k and the engine keeps the
-chosen prefix. The step verifies as many positions per row as the longest row keeps, and a step where
-no row keeps any is the plain step (`sample`); a draft without state is then not run at all.
+measured at engine start (`Engine._calibrate`); the draft proposes as far as the row that drafts most and
+each row keeps its chosen prefix. The step verifies as many positions per row as the longest row keeps,
+and a step where no row keeps any is the plain step (`sample`), with no draft run: a draft without state
+needs nothing, and one that reads hidden states takes the step's tokens in its next proposal
+(`batching.defer_draft`).
 
 Padded vocabularies: when the model's vocabulary is larger than the tokenizer's, the ids past the
 tokenizer are set to -inf in the verify logits and in a grammar-following draft's logits (one fill of
@@ -52,7 +54,7 @@ enough work per op to spread well over several threads.
 
 Device reads: a step reads results back from the device twice, by design, each one read for
 every row: at commit (the acceptance result) and after propose (the drafts, which the next masks
-need). A grammar row's draft adds one read per drafted position (its matcher runs on the host),
+need; none when no row drafts). A grammar row's draft adds one read per drafted position (its matcher runs on the host),
 and `logprobs` one at commit. Batches carry their rows' spans as Python ints and caches keep their
 lengths on the host, so no forward reads the device back (`tests/models/test_host_planning.py`
 runs the providers on the meta device to hold that), and every host-to-device copy goes through
@@ -79,7 +81,7 @@ from tandem.decoding.params import RelaxedAcceptance, SamplingParams, SamplingTe
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID, sample
 from tandem.engine import sampling
 from tandem.engine.adaptive import AdaptivePolicy, CostModel, draft_passes
-from tandem.engine.batching import VerifyInputs, draft_batch, forced_draft_probs, verify_inputs
+from tandem.engine.batching import VerifyInputs, defer_draft, draft_batch, forced_draft_probs, verify_inputs
 from tandem.engine.graphs import GraphRunner, resolve_capture_sizes, resolve_graph_mode
 from tandem.engine.kv_blocks import BlockPool, KVStats
 from tandem.engine.mask_pipeline import MaskPipeline
@@ -210,8 +212,14 @@ class Engine:
         # A model whose embedding rows are padded past the tokenizer: ids >= vocab_limit are never emitted
         # nor drafted (`_mask_padding`), whatever else is in the batch.
         self.vocab_limit = min(len(tokenizer), target.vocab_size)
-        # A stateless draft (no cache, no hidden states) can be skipped on a step where no row drafts.
-        self._draft_skippable = draft is not None and draft.hidden_kind is None and self.draft_cache is None
+        # A step where no row drafts can skip the draft: a stateless one (no cache, no hidden states) needs nothing,
+        # and one that reads the target's hidden states takes the step's tokens when a row next drafts
+        # (`batching.defer_draft`), unless the ranks run it (a draft in the target's layout), each over its own
+        # forward's hidden states.
+        on_ranks = workers is not None and workers.has_draft
+        self._draft_skippable = draft is not None and (
+            (draft.hidden_kind is None and self.draft_cache is None) or (draft.hidden_kind is not None and not on_ranks)
+        )
         self.policy: AdaptivePolicy | None = None
         self.calibration_s = 0.0  # seconds the cost model's measurement took at start
         if draft is not None and config.adaptive and self.k > 0:
@@ -301,12 +309,21 @@ class Engine:
             runner=self.runner,
             cache=self.target_cache,
         )
-        self._step_started = time.perf_counter()
+        self._step_mark = self._mark()
         with torch_threads(self._threads_for(inputs.batch)):
             return self._run_step(rows, inputs, k, [b for b, end in enumerate(ends) if end is not None])
 
     def _adaptive(self) -> bool:
         return self.policy is not None and self.config.adaptive
+
+    def _mark(self) -> tuple[float, float]:
+        """The start of a timing for the adaptive policy: the clock, and the graph runner's build time so far."""
+        return time.perf_counter(), 0.0 if self.runner is None else self.runner.compile_s
+
+    def _elapsed(self, mark: tuple[float, float]) -> float | None:
+        """Seconds since `mark`, or None when a graph was built meanwhile: a capture is no step's time."""
+        started, built = mark
+        return None if self._mark()[1] != built else time.perf_counter() - started
 
     def _step_k(self, rows: list[Request]) -> int:
         """The step's draft positions per row: the most any row keeps, at least k without adaptive speculation
@@ -444,16 +461,22 @@ class Engine:
                 in_thinking = None if in_thinking is None else in_thinking[:, : k + 1]
             result = self._accept(full, scores, drafts, bitmask, in_thinking, inputs.sampling)
             deltas = self._commit(full, result, logits)
-        if self.policy is not None and not prefill:
-            self.policy.cost.observe(batch.num_tokens, time.perf_counter() - self._step_started)
+        seconds = self._elapsed(self._step_mark)
+        if self.policy is not None and not prefill and seconds is not None:
+            self.policy.cost.observe(batch.num_tokens, seconds)
         if self.draft is not None:
             self._propose([r for r in full if r.output.finish_reason is None], rows, out, batch)
         if chunked and self.draft_cache is not None:
             self._fill_draft([rows[b] for b in chunked], rows, out, batch)
         for r in rows:
-            if r.slot >= 0:  # live: both caches hold its committed entries (finished rows gave their blocks back)
-                # A chunk's end, else len(r.tokens) - 1; a chunked row keeps the blocks of the prompt to come.
-                self.blocks.register(r.slot, r.tokens, self.target_cache.lengths[r.slot])
+            if r.slot >= 0:  # live (finished rows gave their blocks back)
+                # A block holds the target's and the draft's entries: registered up to a chunk's end, else
+                # len(r.tokens) - 1, and no further than the draft has taken; a chunked row keeps the blocks of the
+                # prompt to come.
+                held = self.target_cache.lengths[r.slot]
+                if r.undrafted is not None:
+                    held = min(held, r.undrafted.start)
+                self.blocks.register(r.slot, r.tokens, held)
                 self.blocks.trim(r.slot, len(r.tokens))
         return deltas
 
@@ -541,15 +564,17 @@ class Engine:
         if self._adaptive():
             keep = self.policy.choose([r.request_id for r in live], [r.params.temperature > 0 for r in live])
         run_draft = not (keep is not None and not any(keep) and self._draft_skippable)
+        if not run_draft and self.draft.hidden_kind is not None:
+            defer_draft(live, rows, batch, out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden)
         forcing = self.forced_drafts and self.step_masks.has_grammar(live)
         if not run_draft and not forcing:
-            return  # no row drafts and the draft keeps no state: the next step is the plain step
+            return  # no row drafts: the next step is the plain step
         budgets = [draft_budget(r, self.max_drafts, self.config.max_model_len) for r in live]
         limits = [min(budget, self.k if keep is None else keep[b]) for b, budget in enumerate(budgets)]
         follows = self.draft.follows_constraint
         walk = self.step_masks.walk(live) if follows or forcing else None
         proposed, probs = [[] for _ in live], None
-        # The draft proposes as far as the row that drafts most (its first pass always, if it keeps a cache).
+        # The draft proposes as far as the row that drafts most (its first pass always, if the ranks run it).
         passes = self.k if keep is None else draft_passes(max(keep), self.policy.draft_always)
         try:
             if run_draft:
@@ -574,7 +599,7 @@ class Engine:
     ) -> tuple[list[list[int]], torch.Tensor | None]:
         """The draft's proposal of `passes` tokens for the live rows under `walk` (None: free): tokens [B][passes]
         (read to the host) and probs [B, passes, V] (None: deterministic)."""
-        started = time.perf_counter()
+        mark = self._mark()
         hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
         follows = self.draft.follows_constraint
         draft_ids, hidden, histories, adjustments = draft_batch(
@@ -605,8 +630,9 @@ class Engine:
             passes,
         )
         proposed = proposal.tokens.tolist()  # one read of the device for every row
-        if self._adaptive():
-            self.policy.observe_draft_time(time.perf_counter() - started, passes)
+        seconds = self._elapsed(mark)
+        if self._adaptive() and seconds is not None:
+            self.policy.observe_draft_time(seconds, passes)
         return proposed, proposal.probs
 
     def _run_draft(self, inp: DraftInput, num_tokens: int) -> DraftProposal:

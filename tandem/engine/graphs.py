@@ -24,7 +24,8 @@ the all-reduce that gives every rank every row's.
 
 - CUDA: one ``torch.cuda.CUDAGraph`` per shape, captured (over eager kernels) after an eager warm-up
   and one on a side stream, every graph in one memory pool; the key window is a row's whole block
-  table (a graph's shapes are fixed).
+  table (a graph's shapes are fixed), so attention may take cuDNN's kernel, planned in the warm-up
+  (``models.attention.graph_attention``).
 - CPU: ``torch.compile(fullgraph=True)`` per shape and torch thread count (backend ``inductor``, or
   ``$TANDEM_COMPILE_BACKEND``: tests use ``aot_eager`` or ``eager``), its generated code kept in a persistent
   cache (``$TORCHINDUCTOR_CACHE_DIR``, default ``~/.cache/tandem/inductor``) so a restart does not
@@ -40,6 +41,7 @@ runs eagerly and counts in :attr:`GraphRunner.fallbacks`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -50,7 +52,7 @@ import torch
 from torch import Tensor
 
 from tandem.core.transfer import Staging
-from tandem.models.attention import RaggedLayout
+from tandem.models.attention import RaggedLayout, graph_attention
 from tandem.models.base import ForwardBatch, KVCache, RowSpans, TargetOutput
 
 GRAPH_MODES = ("auto", "eager", "compiled")
@@ -319,12 +321,13 @@ class GraphRunner:
             self.replays += 1
             return graph(args)
         began = time.perf_counter()
-        if warm not in self._warm:
-            # Warm-up over whole rows: state built on demand (the rotary tables, to max_len) exists before
-            # tracing or capture, and no later eager step (a longer prefill) rebuilds what a graph reads.
-            body(*self._args(shape, cache, table.max_blocks, extra))
-            self._warm.add(warm)
-        self._graphs[key], out = self._build(body, args)
+        with graph_attention() if self.cuda else contextlib.nullcontext():
+            if warm not in self._warm:
+                # Warm-up over whole rows: state built on demand (the rotary tables, to max_len) exists before
+                # tracing or capture, and no later eager step (a longer prefill) rebuilds what a graph reads.
+                body(*self._args(shape, cache, table.max_blocks, extra))
+                self._warm.add(warm)
+            self._graphs[key], out = self._build(body, args)
         self.compile_s += time.perf_counter() - began
         return out
 

@@ -19,6 +19,19 @@ class PromptTooLongError(ValueError):
 
 
 @dataclass
+class Undrafted:
+    """Committed tokens a row's draft has not taken yet (steps where no row drafted): positions ``start ..
+    end - 1``, and the target's hidden states before each, ``hidden [end - start, H]``."""
+
+    start: int
+    hidden: torch.Tensor
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.hidden)
+
+
+@dataclass
 class Request:
     """Engine-side state of one request."""
 
@@ -36,6 +49,7 @@ class Request:
     asked_drafts: int = 0  # the drafts adaptive speculation asked of the draft for the next verify (it may have fewer)
     # The drafts' verify masks from the draft's grammar walk: (bitmask [k+1, W], in_thinking [k+1])
     walked_masks: tuple[torch.Tensor, torch.Tensor] | None = None
+    undrafted: Undrafted | None = None  # what the draft has not taken (engine.batching.defer_draft)
     slot: int = -1  # its KV-cache slot while it runs; -1 while it waits or once it finished
     output: RequestOutput | None = None
 

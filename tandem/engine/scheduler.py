@@ -175,6 +175,7 @@ class Scheduler:
         self._free_slots.append(request.slot)
         request.slot = -1
         request.clear_drafts()
+        request.undrafted = None  # its prefill feeds the draft again from the start
         self.running.remove(request)
         self.waiting.insert(0, request)
         self._preempted.add(request.request_id)

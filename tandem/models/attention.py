@@ -27,11 +27,11 @@ consecutive slots) their keys are a view of the pool, and tokens whose entries a
 (one row's) are written as a slice. Keys start at ``key_start`` (a draft's cache holds nothing at
 position 0), so a step of one token per row at each row's end needs no mask.
 
-With :data:`ATTENTION_ENV` at ``auto`` the gather is skipped on CUDA: :meth:`RaggedLayout.attend` runs the
-Triton paged-attention kernel (:mod:`tandem.kernels.paged_attention`), which reads each row's keys through its
-block table and masks them by the queries' positions (:attr:`RaggedLayout.positions`), in both layouts (graph
-mode's too: the kernel reads only device tensors, so it is captured with the step). The default is the torch
-path, the reference the kernel is tested against, until the kernel has been run and timed on a GPU.
+With :data:`ATTENTION_ENV` at ``auto`` (the default) the gather is skipped on CUDA: :meth:`RaggedLayout.attend`
+runs the Triton paged-attention kernel (:mod:`tandem.kernels.paged_attention`), which reads each row's keys through
+its block table and masks them by the queries' positions (:attr:`RaggedLayout.positions`), in both layouts (graph
+mode's too: the kernel reads only device tensors, so it is captured with the step). The torch path stays the
+reference the kernel is tested against, and the CPU's path.
 """
 
 from __future__ import annotations
@@ -53,14 +53,19 @@ from tandem.models.base import ForwardBatch, KVCache, RowSpans
 # cuDNN's attention builds an execution plan for every new shape, tens of milliseconds of host time each, and an
 # eager decode step's key length is new at every step; the other backends cost nothing per shape.
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# A CUDA graph's shapes are fixed, so cuDNN plans each once, in the warm-up before capture, and inside a graph its
+# kernel is the faster one (README, graph mode): graph mode builds its graphs under `graph_attention()`. First when
+# it takes the shapes, else the others in order.
+GRAPH_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *CUDA_SDPA_BACKENDS]
+_cuda_sdpa_backends = CUDA_SDPA_BACKENDS  # GRAPH_SDPA_BACKENDS inside graph_attention()
 
-# Which attention a layout runs, read once at import: "torch" (default), gather + sdpa everywhere; "auto", the
-# Triton paged-attention kernel for CUDA tensors where Triton imports, else gather + sdpa; "triton", the kernel on
+# Which attention a layout runs, read once at import: "auto" (default), the Triton paged-attention kernel for CUDA
+# tensors where Triton imports, else gather + sdpa; "torch", gather + sdpa everywhere; "triton", the kernel on
 # every device (on the CPU only under TRITON_INTERPRET: the tests). A process-wide switch rather than an
 # EngineConfig field: layouts are built by the providers, below the engine, and both paths compute the same thing.
 ATTENTION_ENV = "TANDEM_ATTENTION"
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-attention_backend = os.environ.get(ATTENTION_ENV, "torch")
+attention_backend = os.environ.get(ATTENTION_ENV, "auto")
 
 
 @functools.cache
@@ -77,11 +82,25 @@ def uses_kernel(x: Tensor) -> bool:
     return attention_backend == "triton"
 
 
+@contextlib.contextmanager
+def graph_attention():
+    """While a CUDA graph is warmed up and captured: CUDA attention tries :data:`GRAPH_SDPA_BACKENDS` in order."""
+    global _cuda_sdpa_backends
+    outer, _cuda_sdpa_backends = _cuda_sdpa_backends, GRAPH_SDPA_BACKENDS
+    try:
+        yield
+    finally:
+        _cuda_sdpa_backends = outer
+
+
 def sdpa(
     query: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, *, scale: float, enable_gqa: bool = False
 ) -> Tensor:
-    """``F.scaled_dot_product_attention`` (``attn_mask=mask``), on CUDA among :data:`CUDA_SDPA_BACKENDS` only."""
-    with sdpa_kernel(CUDA_SDPA_BACKENDS) if query.device.type == "cuda" else contextlib.nullcontext():
+    """``F.scaled_dot_product_attention`` (``attn_mask=mask``), on CUDA among :data:`CUDA_SDPA_BACKENDS` only, or
+    :data:`GRAPH_SDPA_BACKENDS` in that order while a graph is built (:func:`graph_attention`)."""
+    if query.device.type != "cuda":
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    with sdpa_kernel(_cuda_sdpa_backends, set_priority=True):
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 

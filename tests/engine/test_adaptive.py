@@ -16,20 +16,20 @@ from tandem.models.base import DraftProposal
 # ------------------------------------------------------------------ the policy
 
 
-def objective(counts, rates, cost, draft_cost, draft_always):
+def objective(counts, rates, cost, draft_cost):
     """Expected tokens per second of a step where row b verifies counts[b] drafts; the draft runs as many passes
-    as the most any row drafts (one at least when it keeps a cache)."""
+    as the most any row drafts (with none, `draft_cost(0)`)."""
     tokens = sum(expected_tokens(a, j) for a, j in zip(rates, counts))
-    passes = max(max(counts), 1) if draft_always else max(counts)
-    return tokens / (cost(sum(j + 1 for j in counts)) + (draft_cost(passes) if passes else 0.0))
+    return tokens / (cost(sum(j + 1 for j in counts)) + draft_cost(max(counts)))
 
 
-def per_pass(first: float, each: float):
-    """A draft's seconds by its chained passes: the first pass, then each one after it."""
-    return lambda passes: first + each * (passes - 1) if passes else 0.0
+def per_pass(first: float, each: float, cache: float = 0.0):
+    """A draft's seconds by the most drafts a row verifies: the first pass, then each one after it; with none,
+    `cache` (0 for a draft skipped when no row drafts; more for one that runs its first pass anyway)."""
+    return lambda passes: first + each * (passes - 1) if passes else cache
 
 
-@pytest.mark.parametrize("draft_always", [False, True])
+@pytest.mark.parametrize("runs_anyway", [False, True], ids=["skipped", "runs-anyway"])
 @pytest.mark.parametrize(
     "rates",
     [[0.0, 0.0], [0.9, 0.1], [0.5, 0.5, 0.7], [0.99, 0.3, 0.0], [0.6]],
@@ -42,33 +42,33 @@ def per_pass(first: float, each: float):
         CostModel([1, 4, 8], [1.0, 1.5, 5.0]),
     ],
 )
-def test_choice_maximises_expected_tokens_per_second(rates, cost, draft_always):
+def test_choice_maximises_expected_tokens_per_second(rates, cost, runs_anyway):
     k_max = 3
-    for draft_cost in (per_pass(0.0, 0.0), per_pass(0.3, 0.0), per_pass(0.2, 0.15), per_pass(0.05, 0.6)):
-        chosen = choose_drafts(rates, k_max, cost, draft_cost, draft_always)
+    for first, each in ((0.0, 0.0), (0.3, 0.0), (0.2, 0.15), (0.05, 0.6)):
+        draft_cost = per_pass(first, each, first if runs_anyway else 0.0)  # with no row drafting
+        chosen = choose_drafts(rates, k_max, cost, draft_cost)
         best = max(
-            objective(c, rates, cost, draft_cost, draft_always)
-            for c in itertools.product(range(k_max + 1), repeat=len(rates))
+            objective(c, rates, cost, draft_cost) for c in itertools.product(range(k_max + 1), repeat=len(rates))
         )
-        assert objective(chosen, rates, cost, draft_cost, draft_always) == pytest.approx(best)
-        plain = objective([0] * len(rates), rates, cost, draft_cost, draft_always)
-        assert objective(chosen, rates, cost, draft_cost, draft_always) >= plain - 1e-12
+        assert objective(chosen, rates, cost, draft_cost) == pytest.approx(best)
+        plain = objective([0] * len(rates), rates, cost, draft_cost)
+        assert objective(chosen, rates, cost, draft_cost) >= plain - 1e-12
 
 
 def test_no_acceptance_gives_no_drafts_and_near_certain_acceptance_gives_k_max():
     cheap = CostModel([1, 5, 40], [1.0, 1.05, 1.4])
-    assert choose_drafts([0.0, 0.0, 0.0], 4, cheap, per_pass(0.1, 0.0), False) == [0, 0, 0]
-    assert choose_drafts([0.0, 0.0], 4, cheap, per_pass(0.1, 0.0), True) == [0, 0]
-    assert choose_drafts([0.98, 0.99], 4, cheap, per_pass(0.05, 0.0), False) == [4, 4]
+    assert choose_drafts([0.0, 0.0, 0.0], 4, cheap, per_pass(0.1, 0.0)) == [0, 0, 0]
+    assert choose_drafts([0.0, 0.0], 4, cheap, per_pass(0.1, 0.0, cache=0.1)) == [0, 0]
+    assert choose_drafts([0.98, 0.99], 4, cheap, per_pass(0.05, 0.0)) == [4, 4]
 
 
 def test_costly_draft_passes_shorten_every_row_together():
     """When each chained pass costs much, a row drafting further makes every row's proposal longer: the choice
     caps the most any row drafts instead of spreading drafts to each row's own best."""
     cheap = CostModel([1, 40], [1.0, 1.4])
-    assert choose_drafts([0.9, 0.9], 4, cheap, per_pass(0.1, 0.01), False) == [4, 4]
-    assert choose_drafts([0.9, 0.9], 4, cheap, per_pass(0.1, 0.5), False) == [1, 1]
-    assert choose_drafts([0.9, 0.9], 4, cheap, per_pass(0.1, 0.5), False, pinned=[True, False]) == [4, 4]
+    assert choose_drafts([0.9, 0.9], 4, cheap, per_pass(0.1, 0.01)) == [4, 4]
+    assert choose_drafts([0.9, 0.9], 4, cheap, per_pass(0.1, 0.5)) == [1, 1]
+    assert choose_drafts([0.9, 0.9], 4, cheap, per_pass(0.1, 0.5), pinned=[True, False]) == [4, 4]
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -187,20 +187,41 @@ def test_adaptive_greedy_equals_plain_greedy_token_for_token(demo_llms, pair, mo
 
 @pytest.mark.parametrize("pair", PAIRS, ids=["+".join(p) for p in PAIRS])
 def test_the_draft_proposes_only_as_far_as_the_row_that_drafts_most(demo_llms, pair, monkeypatch):
-    """Each proposal runs as many chained passes as the most drafts any row chose (one when none chose any: the
-    draft keeps a cache), with and without a schema; the tokens stay plain greedy's."""
+    """Each proposal runs as many chained passes as the most drafts any row chose, with and without a schema; the
+    tokens stay plain greedy's. Where no row chose any, the draft does not run: the next proposal's first pass
+    takes the tokens it missed, with their hidden states, and proposes what a draft that ran at every step would
+    have (the same tokens, proposal by proposal)."""
     llm = demo_llms[pair]
     examples = generate_examples(2, seed=5, split="heldout")
     prompts = [llm.chat_prompt(e.messages, e.tools) for e in examples]
     schemas = [None, *(TASK_FAMILIES[e.family].schema for e in examples)]
-    choices, chosen, passes = itertools.cycle([[0, 2], [4, 1], [0, 0], [3, 0], [1, 1]]), [], []
-    monkeypatch.setattr(
-        llm.engine.policy, "choose", lambda ids, pinned=None: chosen.append(next(choices)[: len(ids)]) or chosen[-1]
-    )
+    cycle = [[0, 2], [4, 1], [0, 0], [0, 0], [3, 0], [1, 1]]
     propose = llm.engine.draft.propose
-    monkeypatch.setattr(llm.engine.draft, "propose", lambda inp, cache, n: passes.append(n) or propose(inp, cache, n))
-    speculative = [generate(llm.engine, prompts, SamplingParams(max_tokens=32, json_schema=s)) for s in schemas]
-    assert passes == [max(*c, 1) for c in chosen] and {1, 2, 3, 4} <= set(passes)
+    monkeypatch.setattr(llm.engine.blocks, "enable_prefix_caching", False)  # both runs prefill the same way
+
+    def run(deferred: bool) -> tuple[list, list, list]:
+        choices, chosen, proposals = itertools.cycle(cycle), [], []
+        monkeypatch.setattr(llm.engine, "_draft_skippable", deferred)
+        monkeypatch.setattr(llm.engine.policy, "draft_always", not deferred)
+        monkeypatch.setattr(
+            llm.engine.policy, "choose", lambda ids, pinned=None: chosen.append(next(choices)[: len(ids)]) or chosen[-1]
+        )
+
+        def recorded(inp, cache, n):
+            proposal = propose(inp, cache, n)
+            proposals.append((chosen[-1], n, proposal.tokens.tolist()))
+            return proposal
+
+        monkeypatch.setattr(llm.engine.draft, "propose", recorded)
+        outputs = [generate(llm.engine, prompts, SamplingParams(max_tokens=32, json_schema=s)) for s in schemas]
+        return outputs, chosen, proposals
+
+    speculative, chosen, proposals = run(deferred=True)
+    passes = [n for _, n, _ in proposals]
+    assert passes == [max(c) for c in chosen if any(c)] and {1, 2, 3, 4} <= set(passes)
+    always, _, proposals_always = run(deferred=False)
+    assert always == speculative
+    assert [p for c, _, p in proposals_always if any(c)] == [p for _, _, p in proposals]
     monkeypatch.setattr(llm.engine, "draft", None)
     monkeypatch.setattr(llm.engine, "k", 0)
     assert speculative == [generate(llm.engine, prompts, SamplingParams(max_tokens=32, json_schema=s)) for s in schemas]
@@ -221,9 +242,29 @@ def test_a_wider_verify_never_costs_less_even_when_measured_so():
     """Noise can measure a wider step as cheaper; the model must not then see drafts as free."""
     cost = CostModel([1, 4, 8], [1.0, 0.5, 2.0])
     assert cost(4) == 1.0 and cost(1) <= cost(2) <= cost(4) <= cost(6) <= cost(8)
-    cost.observe(6, 0.1)
+    for _ in range(2):  # a new point enters with its second timing
+        cost.observe(6, 0.1)
+    assert 6 in cost.tokens
     assert [cost(t) for t in (4, 6, 8)] == sorted(cost(t) for t in (4, 6, 8)) and cost(6) >= cost(4)
-    assert choose_drafts([0.01, 0.01], 4, CostModel([2, 6], [1.0, 0.9]), per_pass(0.05, 0.0), draft_always=False) == [
-        0,
-        0,
-    ]
+    assert choose_drafts([0.01, 0.01], 4, CostModel([2, 6], [1.0, 0.9]), per_pass(0.05, 0.0)) == [0, 0]
+
+
+def test_a_warm_up_timing_does_not_make_a_shape_look_slow():
+    """The first step at a new shape builds its graph or buffers: kept, it would make the policy shun the shape
+    and never time it again. It enters no point; the second timing does, and a later stall moves it little. The
+    same goes for the draft's timings by passes, which cost nothing until timed (so the policy tries them)."""
+    cost = CostModel([1, 5], [1.0, 1.2])
+    cost.observe(3, 50.0)
+    assert cost.tokens == [1, 5] and cost(3) == pytest.approx(1.1)
+    cost.observe(3, 1.05)
+    assert cost.tokens == [1, 3, 5] and cost(3) == 1.05
+    cost.observe(3, 100.0)  # a stall counts as twice the point's value
+    assert cost(3) == pytest.approx(0.8 * 1.05 + 0.2 * 2.1)
+    for draft_always in (True, False):
+        policy = AdaptivePolicy(4, CostModel([1, 5], [1.0, 1.2]), draft_always=draft_always)
+        assert [policy.draft_seconds(j) for j in range(5)] == [0.0] * 5
+        for seconds, passes in ((40.0, 4), (30.0, 1), (0.4, 4), (0.3, 1)):
+            policy.observe_draft_time(seconds, passes)
+        assert policy.draft_cost.tokens == [1, 4] and policy.draft_seconds(4) == 0.4
+        assert policy.draft_seconds(1) == 0.3 and policy.draft_seconds(2) == pytest.approx(1 / 3)
+        assert policy.draft_seconds(0) == (0.3 if draft_always else 0.0)  # its first pass runs anyway, or nothing

@@ -46,7 +46,8 @@ def _device_reads(engine) -> list[str]:
 )
 @pytest.mark.parametrize("batch", [1, 4])
 def test_a_speculative_step_reads_the_device_twice(model, draft, dtype, batch):
-    llm = LLM(model, draft, num_speculative_tokens=4, device="cuda", dtype=dtype, max_num_seqs=batch)
+    """At a fixed k (adaptive speculation may choose no drafts: test_a_step_without_drafts_reads_the_device_once)."""
+    llm = LLM(model, draft, num_speculative_tokens=4, device="cuda", dtype=dtype, max_num_seqs=batch, adaptive=False)
     engine = llm.engine
     for example in generate_examples(batch, seed=3, split="heldout"):
         engine.add_request(
@@ -57,6 +58,23 @@ def test_a_speculative_step_reads_the_device_twice(model, draft, dtype, batch):
     for _ in range(3):
         reads = _device_reads(engine)
         assert len(reads) == 2, "\n".join(reads)
+
+
+def test_a_step_without_drafts_reads_the_device_once(monkeypatch):
+    """When adaptive speculation gives no row a draft, the draft does not run (its next proposal takes the step's
+    tokens): nothing is read back but the acceptance result."""
+    llm = LLM("demo-llama", "eagle3", num_speculative_tokens=4, device="cuda", dtype=torch.float32, max_num_seqs=2)
+    engine = llm.engine
+    monkeypatch.setattr(engine.policy, "choose", lambda ids, pinned=None: [0] * len(ids))
+    for example in generate_examples(2, seed=3, split="heldout"):
+        engine.add_request(
+            chat_prompt_ids(llm.tokenizer, example.messages, example.tools), SamplingParams(max_tokens=64)
+        )
+    for _ in range(3):
+        engine.step()
+    for _ in range(3):
+        reads = _device_reads(engine)
+        assert len(reads) == 1, "\n".join(reads)
 
 
 def test_a_penalised_step_reads_the_device_twice():
@@ -103,3 +121,18 @@ def test_eager_steps_take_no_cudnn_attention(model, dtype):
         chat_prompt_ids(llm.tokenizer, example.messages, example.tools), SamplingParams(max_tokens=32)
     )
     assert _cudnn_kernels(lambda: [llm.engine.step() for _ in range(4)]) == []
+
+
+def test_graph_mode_builds_its_llama_graphs_over_cudnn_attention(monkeypatch):
+    """A CUDA graph's shapes are fixed, so graph mode lets cuDNN's attention in while it warms up and captures
+    (tandem.models.attention.graph_attention); its replays give the eager tokens (tests/engine/test_graphs.py).
+    On the torch path: the default runs the paged-attention kernel instead of sdpa."""
+    from tandem.models import attention
+
+    monkeypatch.setattr(attention, "attention_backend", "torch")
+    llm = LLM("demo-llama", device="cuda", dtype=torch.bfloat16, graph_mode="compiled", max_num_seqs=1)
+    example = generate_examples(1, seed=3, split="heldout")[0]
+    llm.engine.add_request(
+        chat_prompt_ids(llm.tokenizer, example.messages, example.tools), SamplingParams(max_tokens=32)
+    )
+    assert _cudnn_kernels(lambda: [llm.engine.step() for _ in range(4)])

@@ -14,12 +14,15 @@ finds the same shapes' graphs in dynamo's cache and compiles nothing new.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from tandem.decoding.params import SamplingParams
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
 from tandem.engine.engine import Engine, EngineConfig
+from tandem.engine.graphs import GraphRunner
 from tandem.llm import chat_prompt_ids
 
 PAIRS = [("demo-llama", "eagle3"), ("demo-llama", "eagle"), ("demo-deepseek", "mtp")]
@@ -96,6 +99,23 @@ def test_drafts_in_graphs_are_accepted_as_eager_ones(models, name, draft):
     assert sum(accepted for _, _, accepted in stats["eager"]) > 0
 
 
+def test_adaptive_speculation_times_no_graph_build(models, monkeypatch):
+    """A step or proposal that builds a graph is a capture, not a step: its time enters none of the policy's cost
+    points (each new draft shape would otherwise make its pass count look slow, and the policy shun it)."""
+    build = GraphRunner._build
+
+    def slow_build(runner, body, args):
+        time.sleep(0.3)
+        return build(runner, body, args)
+
+    monkeypatch.setattr(GraphRunner, "_build", slow_build)
+    engine = _engine(models, "demo-llama", "eagle3", capture_sizes=(1, 2))
+    assert _generate(engine, [SamplingParams(max_tokens=16), SamplingParams(max_tokens=48)])
+    policy = engine.policy
+    assert len(engine.runner._graphs) > 2 and policy.draft_cost.tokens
+    assert max(policy.cost.seconds + policy.draft_cost.seconds) < 0.3
+
+
 def test_seeded_sampling_gives_the_eager_tokens(models):
     """Same seeds, same tokens. The graphs run eager's kernels, up to the rounding of sums over the masked
     key window (about 1e-6 relative): a sample could only flip if its uniform fell that close to a
@@ -127,10 +147,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 GPU_PAIRS = [("demo-llama", "eagle3", torch.float32), ("demo-deepseek", "mtp", torch.bfloat16)]
 
 
-def _cuda_llm(name: str, draft: str | None, dtype: torch.dtype, mode: str):
+def _cuda_llm(name: str, draft: str | None, dtype: torch.dtype, mode: str, **settings):
     from tandem import LLM
 
-    return LLM(name, draft, device="cuda", dtype=dtype, max_num_seqs=2, graph_mode=mode, capture_sizes=(1, 2))
+    return LLM(
+        name, draft, device="cuda", dtype=dtype, max_num_seqs=2, graph_mode=mode, capture_sizes=(1, 2), **settings
+    )
 
 
 @pytest.mark.gpu
@@ -157,7 +179,7 @@ def test_cuda_graphs_replay_the_eager_tokens_across_buckets(name, draft, dtype):
 def test_a_replayed_step_reads_the_device_twice(name, draft, dtype):
     from tests.engine.test_device_reads import _device_reads
 
-    engine = _cuda_llm(name, draft, dtype, "compiled").engine
+    engine = _cuda_llm(name, draft, dtype, "compiled", adaptive=False).engine  # at a fixed k: every step drafts
     for example in EXAMPLES:
         engine.add_request(
             chat_prompt_ids(engine.tokenizer, example.messages, example.tools), SamplingParams(max_tokens=64)

@@ -34,7 +34,12 @@ def test_generate_takes_text_token_ids_or_a_list_and_keeps_prompt_order(llm):
     assert llm.generate(text, params)[0].token_ids == together[1].token_ids
 
 
-def test_stream_deltas_add_up_to_the_generated_output(llm):
+@pytest.mark.parametrize("one_token_steps", [False, True], ids=["speculative", "one-token-steps"])
+def test_stream_deltas_add_up_to_the_generated_output(llm, one_token_steps, monkeypatch):
+    """Text, reasoning and token ids; with one token a step (no row drafts), a token that shows no text yet (a
+    thinking marker, part of a character) comes in a delta of its own, with its id and no text."""
+    if one_token_steps:
+        monkeypatch.setattr(llm.engine.policy, "choose", lambda ids, pinned=None: [0] * len(ids))
     prompt, params = llm.chat_prompt(EXAMPLES[0].messages), SamplingParams(max_tokens=64)
     deltas = list(llm.stream(prompt, params))
     expected = llm.generate([prompt], params)[0]
@@ -43,6 +48,8 @@ def test_stream_deltas_add_up_to_the_generated_output(llm):
     assert [t for d in deltas for t in d.token_ids] == expected.token_ids
     assert deltas[-1].finish_reason == expected.finish_reason and all(d.finish_reason is None for d in deltas[:-1])
     assert len(deltas) > 2, "streamed in one piece"
+    if one_token_steps:
+        assert any(d.token_ids and not d.has_content for d in deltas)
 
 
 def test_chat_with_a_pydantic_response_format_returns_a_valid_answer(llm):
