@@ -15,8 +15,9 @@ engine's per-step host work included) and ``draft(J)`` the measured time of a pr
 passes, ``J = max_b j_b``: the draft proposes only as far as the row that drafts most (a `CostModel` over
 passes, from the proposals' own timings). When no row drafts (J = 0) the draft does not run: a draft without
 state needs nothing, and one that reads the target's hidden states takes the step's tokens when a row next
-drafts (`batching.defer_draft`); over several ranks, where the ranks run such a draft, it runs its first pass
-anyway (J is at least 1 for it). The policy picks the ``j_b`` in 0..k_max maximising
+drafts (`batching.defer_draft`; that proposal's first pass is wider, so its time enters no point of draft(J));
+over several ranks, where the ranks run such a draft, it runs its first pass anyway (J is at least 1 for it).
+The policy picks the ``j_b`` in 0..k_max maximising
 
     sum_b E_b(j_b) / (cost(sum_b (j_b + 1)) + draft(max_b j_b))
 

@@ -600,6 +600,7 @@ class Engine:
         """The draft's proposal of `passes` tokens for the live rows under `walk` (None: free): tokens [B][passes]
         (read to the host) and probs [B, passes, V] (None: deterministic)."""
         mark = self._mark()
+        catching_up = any(r.undrafted is not None for r in live)  # a wider first pass: no proposal's usual time
         hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
         follows = self.draft.follows_constraint
         draft_ids, hidden, histories, adjustments = draft_batch(
@@ -631,7 +632,7 @@ class Engine:
         )
         proposed = proposal.tokens.tolist()  # one read of the device for every row
         seconds = self._elapsed(mark)
-        if self._adaptive() and seconds is not None:
+        if self._adaptive() and seconds is not None and not catching_up:
             self.policy.observe_draft_time(seconds, passes)
         return proposed, proposal.probs
 

@@ -14,6 +14,7 @@ finds the same shapes' graphs in dynamo's cache and compiles nothing new.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -114,6 +115,17 @@ def test_adaptive_speculation_times_no_graph_build(models, monkeypatch):
     policy = engine.policy
     assert len(engine.runner._graphs) > 2 and policy.draft_cost.tokens
     assert max(policy.cost.seconds + policy.draft_cost.seconds) < 0.3
+
+
+def test_a_draft_that_skipped_steps_catches_up_through_a_graph(models, monkeypatch):
+    """Steps where no row drafts leave the draft behind (batching.defer_draft); the next proposal's first pass takes
+    the missed tokens too, wider than a verify's, through the graph of the widest static width."""
+    engine = _engine(models, "demo-llama", "eagle3")
+    choices = itertools.cycle([[2, 1], *[[0, 0]] * 5])  # then a proposal over the 6 tokens since the last
+    monkeypatch.setattr(engine.policy, "choose", lambda ids, pinned=None: next(choices)[: len(ids)])
+    params = [SamplingParams(max_tokens=24) for _ in EXAMPLES]
+    assert _generate(engine, params) == _generate(_engine(models, "demo-llama", None), params)
+    assert any(key[:3] == ("draft", 2, engine.max_drafts + 1) for key in engine.runner._graphs)
 
 
 def test_seeded_sampling_gives_the_eager_tokens(models):
