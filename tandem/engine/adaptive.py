@@ -75,8 +75,10 @@ class CostModel:
 
     def __call__(self, num_tokens: int) -> float:
         ts, cs = self.tokens, self._monotone
-        if len(ts) <= 1:
-            return 0.0 if not ts else cs[0] * num_tokens / ts[0] if ts[0] else cs[0]
+        if not ts:
+            return 0.0
+        if len(ts) == 1:
+            return cs[0] * num_tokens / ts[0]
         i = min(max(bisect.bisect_left(ts, num_tokens), 1), len(ts) - 1)
         t0, t1, c0, c1 = ts[i - 1], ts[i], cs[i - 1], cs[i]
         return max(c0 + (c1 - c0) * (num_tokens - t0) / (t1 - t0), 1e-9)

@@ -143,7 +143,7 @@ def draft_batch(
     kept = 0 if hidden_all is None else len(hidden_all)
     ids, starts, lengths, histories, hidden_rows = [], [], [], [], []
     for r, (start, rows_now) in zip(live, committed):
-        behind = r.undrafted if r.undrafted is not None and r.undrafted.end == start else None
+        behind = _behind(r, start)
         first = start
         if behind is not None and hidden_all is not None:
             first = behind.start
@@ -176,12 +176,17 @@ def defer_draft(live: list[Request], rows: list[Request], verify: ForwardBatch, 
     (``hidden_all``: the verify's): the next :func:`draft_batch` feeds the draft every token it has not taken, so
     a step where no row drafts costs the draft nothing (`Request.undrafted`)."""
     for r, (start, hidden_rows) in zip(live, _committed(live, rows, verify)):
-        hidden = hidden_all[hidden_rows.start : hidden_rows.stop].clone()  # a graph's output is overwritten
-        behind = r.undrafted if r.undrafted is not None and r.undrafted.end == start else None
-        if behind is None:
-            r.undrafted = Undrafted(start, hidden)
-        else:
-            r.undrafted = Undrafted(behind.start, torch.cat([behind.hidden, hidden]))
+        behind = _behind(r, start)
+        earlier = [] if behind is None else [behind.hidden]
+        # A copy (cat makes one even of a single piece): a graph's output is overwritten at its next replay.
+        hidden = torch.cat([*earlier, hidden_all[hidden_rows.start : hidden_rows.stop]])
+        r.undrafted = Undrafted(start if behind is None else behind.start, hidden)
+
+
+def _behind(r: Request, start: int) -> Undrafted | None:
+    """What `r`'s draft has not taken, when it ends where its tokens committed from `start` begin (else stale: the
+    row was preempted and prefills again)."""
+    return r.undrafted if r.undrafted is not None and r.undrafted.end == start else None
 
 
 def _committed(live: list[Request], rows: list[Request], verify: ForwardBatch) -> list[tuple[int, range]]:

@@ -41,7 +41,6 @@ runs eagerly and counts in :attr:`GraphRunner.fallbacks`.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import time
@@ -321,7 +320,7 @@ class GraphRunner:
             self.replays += 1
             return graph(args)
         began = time.perf_counter()
-        with graph_attention() if self.cuda else contextlib.nullcontext():
+        with graph_attention():  # CUDA attention only
             if warm not in self._warm:
                 # Warm-up over whole rows: state built on demand (the rotary tables, to max_len) exists before
                 # tracing or capture, and no later eager step (a longer prefill) rebuilds what a graph reads.
