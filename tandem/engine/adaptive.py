@@ -10,8 +10,8 @@ row starts from the draft's recent acceptance). A row verifying j drafts then co
 
 tokens. All rows share the step, whose time is ``cost(T) + draft(J)`` for ``T = sum_b (j_b + 1)`` verified
 tokens: ``cost`` is the measured time of a target forward plus acceptance over T tokens (`CostModel`,
-calibrated once at engine start, then a running mean of the steps' own measured times at each T, the
-engine's per-step host work included) and ``draft(J)`` the measured time of a proposal of J chained
+calibrated once at engine start, then the median of the steps' own recent times at each T, the engine's
+per-step host work included, fitted non-decreasing) and ``draft(J)`` the measured time of a proposal of J chained
 passes, ``J = max_b j_b``: the draft proposes only as far as the row that drafts most (a `CostModel` over
 passes, from the proposals' own timings). When no row drafts (J = 0) the draft does not run: a draft without
 state needs nothing, and one that reads the target's hidden states takes the step's tokens when a row next
@@ -54,52 +54,92 @@ import collections
 import itertools
 import math
 import operator
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+WINDOW = 9  # a cost point is the median of its last this many timings: robust to stalls, follows the device's drift
+STALE = 64  # a cost point untimed for this many of its model's timings leaves it
 
-@dataclass
+
 class CostModel:
-    """Seconds of a step by its size (a verify's T tokens, a proposal's passes), interpolated linearly between
-    measured points (and extrapolated with the last slope; 0 with no point yet). A longer step never costs less:
-    the model reads the running maximum of its points, since a noisy measurement that made a wider verify look
-    cheaper would make drafts look free to verify."""
+    """Seconds of a step by its size (a verify's T tokens, a proposal's passes): a non-decreasing fit of the
+    measured points, interpolated linearly between them; below the first point in proportion to the size, past
+    the last with the steeper of the last segment's slope and the fit's mean slope (0 with no point yet).
 
-    tokens: list[int]  # increasing
-    seconds: list[float]  # as measured
-    _monotone: list[float] = field(init=False, repr=False)  # running maximum of `seconds`
-    _warmed: set[int] = field(default_factory=set, repr=False)  # points not in the model whose first timing came
+    A point is the median of its last :data:`WINDOW` timings, so a stall (another process, a collection)
+    moves it not at all, and the engine's own per-step work on this device is part of it. The fit is the weighted
+    isotonic regression of the points (pool adjacent violators), each weighing as many timings as it has had: a
+    longer step never costs less, since a noisy measurement that made a wider verify look cheaper would make
+    drafts look free to verify, and a size timed once or twice cannot lift the well-timed sizes above it.
 
-    def __post_init__(self) -> None:
-        self._monotone = list(itertools.accumulate(self.seconds, max))
+    The policy times only the sizes it chooses, so a point that reads too dear (timed in a slow moment, or before
+    the device warmed) would keep it from choosing that size, and so from timing it again, for the rest of the run.
+    A point untimed for :data:`STALE` of the model's timings therefore leaves it: the size is then read from its
+    neighbours, and chosen and timed afresh where they make it pay; below the first point a size reads cheap (in
+    proportion to it) rather than dear, so that the policy tries it again. A size's first timing enters no point:
+    the first step at a new shape is a warm-up (a graph built, buffers allocated), often many times a step's
+    time; the sizes given at construction count as warmed."""
+
+    def __init__(self, tokens: list[int], seconds: list[float]) -> None:
+        """Points at the increasing sizes `tokens`, each one timing (`seconds`)."""
+        self.tokens = list(tokens)
+        self._timings = [collections.deque([t], maxlen=WINDOW) for t in seconds]
+        self._counts = [1] * len(self.tokens)  # timings each point has had: its weight in the fit
+        self._timed = [0] * len(self.tokens)  # each point's last timing, on the `_clock`
+        self._clock = 0  # timings observed
+        self._warmed = set(self.tokens)  # sizes whose first timing came
+        self._fit()
+
+    @property
+    def seconds(self) -> list[float]:
+        """Each point's value: the median of its recent timings (the lower middle one of an even count)."""
+        return [statistics.median_low(timings) for timings in self._timings]
+
+    def _fit(self) -> None:
+        blocks: list[list[float]] = []  # [mean, weight, points] of pooled runs of points
+        for seconds, weight in zip(self.seconds, self._counts):
+            blocks.append([seconds, float(weight), 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (m1, w1, n1), (m2, w2, n2) = blocks.pop(-2), blocks.pop()
+                blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+        self._fitted = [mean for mean, _, points in blocks for _ in range(points)]
 
     def __call__(self, num_tokens: int) -> float:
-        ts, cs = self.tokens, self._monotone
+        ts, cs = self.tokens, self._fitted
         if not ts:
             return 0.0
-        if len(ts) == 1:
+        if num_tokens <= ts[0] or len(ts) == 1:
             return cs[0] * num_tokens / ts[0]
-        i = min(max(bisect.bisect_left(ts, num_tokens), 1), len(ts) - 1)
+        if num_tokens > ts[-1]:
+            slope = max((cs[-1] - cs[-2]) / (ts[-1] - ts[-2]), (cs[-1] - cs[0]) / (ts[-1] - ts[0]))
+            return cs[-1] + slope * (num_tokens - ts[-1])
+        i = bisect.bisect_left(ts, num_tokens)
         t0, t1, c0, c1 = ts[i - 1], ts[i], cs[i - 1], cs[i]
-        return max(c0 + (c1 - c0) * (num_tokens - t0) / (t1 - t0), 1e-9)
+        return c0 + (c1 - c0) * (num_tokens - t0) / (t1 - t0)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        """A step's measured time at size `num_tokens`: a running mean at that point, so the model comes to include
-        the engine's own per-step work on this device. A point not in the model enters with its second timing: the
-        first at a new shape is a warm-up (a graph built, buffers allocated), often many times a step's time, and
-        kept it would make the policy shun that shape, and so never time it again. For the same reason a timing
-        counts at most twice the point's value: a stall (another process, a collection) moves it by a step's
-        mean weight, not by the stall."""
+        """A step's measured time at size `num_tokens` (the class docstring says where it goes)."""
+        self._clock += 1
         i = bisect.bisect_left(self.tokens, num_tokens)
         if i < len(self.tokens) and self.tokens[i] == num_tokens:
-            self.seconds[i] = 0.8 * self.seconds[i] + 0.2 * min(seconds, 2 * self.seconds[i])
+            self._timings[i].append(seconds)
+            self._counts[i] += 1
+            self._timed[i] = self._clock
         elif num_tokens not in self._warmed:
             self._warmed.add(num_tokens)
             return
         else:
             self.tokens.insert(i, num_tokens)
-            self.seconds.insert(i, seconds)
-        self._monotone = list(itertools.accumulate(self.seconds, max))
+            self._timings.insert(i, collections.deque([seconds], maxlen=WINDOW))
+            self._counts.insert(i, 1)
+            self._timed.insert(i, self._clock)
+        fresh = [j for j, timed in enumerate(self._timed) if self._clock - timed <= STALE]
+        if len(fresh) < len(self.tokens):
+            self.tokens, self._timings, self._counts, self._timed = (
+                [points[j] for j in fresh] for points in (self.tokens, self._timings, self._counts, self._timed)
+            )
+        self._fit()
 
 
 def expected_tokens(a: float, j: int) -> float:

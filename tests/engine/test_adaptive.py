@@ -9,7 +9,7 @@ from tandem.decoding.params import SamplingParams
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
 from tandem.engine import Engine, EngineConfig
 from tandem.engine import engine as engine_module
-from tandem.engine.adaptive import AdaptivePolicy, CostModel, choose_drafts, expected_tokens
+from tandem.engine.adaptive import STALE, AdaptivePolicy, CostModel, choose_drafts, expected_tokens
 from tandem.llm import LLM
 from tandem.models.base import DraftProposal
 
@@ -243,7 +243,7 @@ def test_seeded_sampling_runs_with_adaptive_speculation(demo_llms, pair):
 def test_a_wider_verify_never_costs_less_even_when_measured_so():
     """Noise can measure a wider step as cheaper; the model must not then see drafts as free."""
     cost = CostModel([1, 4, 8], [1.0, 0.5, 2.0])
-    assert cost(4) == 1.0 and cost(1) <= cost(2) <= cost(4) <= cost(6) <= cost(8)
+    assert cost(1) == cost(4) == 0.75 and cost(1) <= cost(2) <= cost(4) <= cost(6) <= cost(8)  # pooled
     for _ in range(2):  # a new point enters with its second timing
         cost.observe(6, 0.1)
     assert 6 in cost.tokens
@@ -251,17 +251,53 @@ def test_a_wider_verify_never_costs_less_even_when_measured_so():
     assert choose_drafts([0.01, 0.01], 4, CostModel([2, 6], [1.0, 0.9]), per_pass(0.05, 0.0)) == [0, 0]
 
 
+def test_a_size_timed_once_does_not_lift_the_sizes_above_it():
+    """One slow timing at a size the policy seldom picks (a stall, another process) must not make every wider
+    step look dear: the fit weighs each point by its timings, so the well-timed wider point holds."""
+    cost = CostModel([1, 4, 5], [1.0, 3.0, 1.2])
+    for _ in range(30):
+        cost.observe(1, 1.0)
+        cost.observe(5, 1.2)
+    assert cost(5) == pytest.approx((3.0 + 31 * 1.2) / 32) and cost(4) == cost(5) < 1.3
+    assert choose_drafts([0.8], 4, cost, per_pass(0.1, 0.1)) == [4]
+
+
+def test_a_point_untimed_for_long_leaves_the_model():
+    """The policy times only what it picks: a point that read too dear would never be timed again. Untimed for
+    STALE of the model's timings it leaves, and its size is read from the neighbours, cheap below the first
+    point, so the policy tries it; its next timing enters at once (it is warm)."""
+    cost = CostModel([1, 3, 5], [1.0, 9.0, 1.2])
+    for _ in range(STALE):
+        cost.observe(5, 1.2)
+    assert cost.tokens == [1, 3, 5]
+    cost.observe(5, 1.2)
+    assert cost.tokens == [5] and cost(3) == pytest.approx(1.2 * 3 / 5) and cost(1) < 1.0
+    cost.observe(1, 1.0)
+    assert cost.tokens == [1, 5] and cost(1) == 1.0
+
+
+def test_sizes_outside_the_points_follow_the_measured_growth():
+    """Below the first point a cost scales with the size (a proposal of fewer passes than any timed yet); past
+    the last it grows at least at the fit's mean slope, so a flat last segment does not make wide steps free."""
+    passes = CostModel([3, 4], [3.0, 3.0])
+    assert passes(1) == pytest.approx(1.0) and passes(3) == 3.0
+    cost = CostModel([1, 5, 15], [1.0, 2.0, 2.0])
+    assert cost(30) == pytest.approx(2.0 + 15 * (1.0 / 14)) and cost(10) == 2.0
+
+
 def test_a_warm_up_timing_does_not_make_a_shape_look_slow():
     """The first step at a new shape builds its graph or buffers: kept, it would make the policy shun the shape
-    and never time it again. It enters no point; the second timing does, and a later stall moves it little. The
+    and never time it again. It enters no point; the second timing does, and a later stall does not move it. The
     same goes for the draft's timings by passes, which cost nothing until timed (so the policy tries them)."""
     cost = CostModel([1, 5], [1.0, 1.2])
     cost.observe(3, 50.0)
     assert cost.tokens == [1, 5] and cost(3) == pytest.approx(1.1)
     cost.observe(3, 1.05)
     assert cost.tokens == [1, 3, 5] and cost(3) == 1.05
-    cost.observe(3, 100.0)  # a stall counts as twice the point's value
-    assert cost(3) == pytest.approx(0.8 * 1.05 + 0.2 * 2.1)
+    cost.observe(3, 100.0)  # a stall: the point is a median of its timings
+    assert cost.seconds == [1.0, 1.05, 1.2]
+    cost.observe(3, 1.1)
+    assert cost.seconds[1] == 1.1
     for draft_always in (True, False):
         policy = AdaptivePolicy(4, CostModel([1, 5], [1.0, 1.2]), draft_always=draft_always)
         assert [policy.draft_seconds(j) for j in range(5)] == [0.0] * 5
