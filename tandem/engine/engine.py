@@ -217,9 +217,11 @@ class Engine:
         # (`batching.defer_draft`), unless the ranks run it (a draft in the target's layout), each over its own
         # forward's hidden states.
         on_ranks = workers is not None and workers.has_draft
-        self._draft_skippable = draft is not None and (
-            (draft.hidden_kind is None and self.draft_cache is None) or (draft.hidden_kind is not None and not on_ranks)
-        )
+        stateless = draft is not None and draft.hidden_kind is None and self.draft_cache is None
+        self._draft_skippable = stateless or (draft is not None and draft.hidden_kind is not None and not on_ranks)
+        # A stateless draft that copies tokens (n-gram, suffix: each row's proposal reads only its own history)
+        # proposes for the rows that draft alone; at a large batch most rows may draft nothing.
+        self._proposes_by_row = stateless and not draft.follows_constraint
         self.policy: AdaptivePolicy | None = None
         self.calibration_s = 0.0  # seconds the cost model's measurement took at start
         if draft is not None and config.adaptive and self.k > 0:
@@ -577,7 +579,16 @@ class Engine:
         # The draft proposes as far as the row that drafts most (its first pass always, if the ranks run it).
         passes = self.k if keep is None else draft_passes(max(keep), self.policy.draft_always)
         try:
-            if run_draft:
+            if run_draft and self._proposes_by_row:
+                drafting = [b for b, limit in enumerate(limits) if limit > 0]
+                if drafting:
+                    by_row, probs = self._draft_proposal([live[b] for b in drafting], rows, out, batch, None, passes)
+                    for b, tokens in zip(drafting, by_row):
+                        proposed[b] = tokens
+                    if probs is not None:  # [drafting rows, passes, V] -> [live rows, ...]; the others never read
+                        rows_index = torch.tensor(drafting, device=probs.device)
+                        probs = probs.new_zeros(len(live), *probs.shape[1:]).index_copy_(0, rows_index, probs)
+            elif run_draft:
                 proposed, probs = self._draft_proposal(live, rows, out, batch, walk if follows else None, passes)
             if forcing and follows and run_draft:  # the draft walked its tokens: go on with forced ones
                 walk.extend_forced([min(m, n) for m, n in zip(limits, walk.lengths)], budgets)

@@ -10,7 +10,7 @@ from tandem.demo.corpus import TASK_FAMILIES, generate_examples
 from tandem.engine import Engine, EngineConfig
 from tandem.engine import engine as engine_module
 from tandem.engine.adaptive import STALE, AdaptivePolicy, CostModel, choose_drafts, expected_tokens
-from tandem.llm import LLM
+from tandem.llm import LLM, chat_prompt_ids
 from tandem.models.base import DraftProposal
 
 # ------------------------------------------------------------------ the policy
@@ -227,6 +227,38 @@ def test_the_draft_proposes_only_as_far_as_the_row_that_drafts_most(demo_llms, p
     monkeypatch.setattr(llm.engine, "draft", None)
     monkeypatch.setattr(llm.engine, "k", 0)
     assert speculative == [generate(llm.engine, prompts, SamplingParams(max_tokens=32, json_schema=s)) for s in schemas]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "suffix"])
+def test_a_copying_draft_proposes_for_the_rows_that_draft_alone(models, kind, monkeypatch):
+    """n-gram and suffix drafts read only each row's own history: a step proposes for the rows the policy gave
+    drafts and for no other (at a large batch most rows may draft nothing), with and without a schema, and the
+    tokens stay plain greedy's."""
+    target, draft, tokenizer = models("demo-llama", kind)
+    examples = generate_examples(3, seed=7, split="heldout")
+    prompts = [chat_prompt_ids(tokenizer, e.messages, e.tools) for e in examples]
+    schemas = [None, TASK_FAMILIES[examples[0].family].schema]
+    config = EngineConfig(max_num_seqs=3, enable_prefix_caching=False)
+    engine = Engine(target, draft, tokenizer, config)
+    choices, proposals = itertools.cycle([[0, 2, 1], [3, 0, 0], [0, 0, 0], [1, 1, 4], [0, 4, 0]]), []
+    chosen = []
+    monkeypatch.setattr(
+        engine.policy, "choose", lambda ids, pinned=None: chosen.append(next(choices)[: len(ids)]) or chosen[-1]
+    )
+    propose = draft.propose
+
+    def recorded(inp, cache, n):
+        proposals.append((chosen[-1], list(inp.batch.spans.slots)))
+        return propose(inp, cache, n)
+
+    monkeypatch.setattr(draft, "propose", recorded)
+    speculative = [generate(engine, prompts, SamplingParams(max_tokens=32, json_schema=s)) for s in schemas]
+    assert proposals and all(len(slots) <= sum(c > 0 for c in choice) for choice, slots in proposals)
+    assert any(len(slots) < len(choice) for choice, slots in proposals)
+    plain_engine = Engine(target, None, tokenizer, config)
+    assert speculative == [
+        generate(plain_engine, prompts, SamplingParams(max_tokens=32, json_schema=s)) for s in schemas
+    ]
 
 
 @pytest.mark.parametrize("pair", PAIRS[:1], ids=["+".join(p) for p in PAIRS[:1]])
