@@ -84,17 +84,13 @@ class CostModel:
     def __init__(self, tokens: list[int], seconds: list[float]) -> None:
         """Points at the increasing sizes `tokens`, each one timing (`seconds`)."""
         self.tokens = list(tokens)
+        self.seconds = list(seconds)  # each point's value: the median of its recent timings (the lower middle one)
         self._timings = [collections.deque([t], maxlen=WINDOW) for t in seconds]
         self._counts = [1] * len(self.tokens)  # timings each point has had: its weight in the fit
         self._timed = [0] * len(self.tokens)  # each point's last timing, on the `_clock`
         self._clock = 0  # timings observed
         self._warmed = set(self.tokens)  # sizes whose first timing came
         self._fit()
-
-    @property
-    def seconds(self) -> list[float]:
-        """Each point's value: the median of its recent timings (the lower middle one of an even count)."""
-        return [statistics.median_low(timings) for timings in self._timings]
 
     def _fit(self) -> None:
         blocks: list[list[float]] = []  # [mean, weight, points] of pooled runs of points
@@ -124,6 +120,7 @@ class CostModel:
         i = bisect.bisect_left(self.tokens, num_tokens)
         if i < len(self.tokens) and self.tokens[i] == num_tokens:
             self._timings[i].append(seconds)
+            self.seconds[i] = statistics.median_low(self._timings[i])
             self._counts[i] += 1
             self._timed[i] = self._clock
         elif num_tokens not in self._warmed:
@@ -131,14 +128,14 @@ class CostModel:
             return
         else:
             self.tokens.insert(i, num_tokens)
+            self.seconds.insert(i, seconds)
             self._timings.insert(i, collections.deque([seconds], maxlen=WINDOW))
             self._counts.insert(i, 1)
             self._timed.insert(i, self._clock)
         fresh = [j for j, timed in enumerate(self._timed) if self._clock - timed <= STALE]
         if len(fresh) < len(self.tokens):
-            self.tokens, self._timings, self._counts, self._timed = (
-                [points[j] for j in fresh] for points in (self.tokens, self._timings, self._counts, self._timed)
-            )
+            kept = (self.tokens, self.seconds, self._timings, self._counts, self._timed)
+            self.tokens, self.seconds, self._timings, self._counts, self._timed = ([p[j] for j in fresh] for p in kept)
         self._fit()
 
 
