@@ -64,8 +64,9 @@ STALE = 64  # a cost point untimed for this many of its model's timings leaves i
 
 class CostModel:
     """Seconds of a step by its size (a verify's T tokens, a proposal's passes): a non-decreasing fit of the
-    measured points, interpolated linearly between them; below the first point in proportion to the size, past
-    the last with the steeper of the last segment's slope and the fit's mean slope (0 with no point yet).
+    measured points, interpolated linearly between them; below the first point along the first segment (never
+    under the cost in proportion to the size, which is the rule with one point), past the last with the steeper
+    of the last segment's slope and the fit's mean slope (0 with no point yet).
 
     A point is the median of its last :data:`WINDOW` timings, so a stall (another process, a collection)
     moves it not at all, and the engine's own per-step work on this device is part of it. The fit is the weighted
@@ -76,8 +77,7 @@ class CostModel:
     The policy times only the sizes it chooses, so a point that reads too dear (timed in a slow moment, or before
     the device warmed) would keep it from choosing that size, and so from timing it again, for the rest of the run.
     A point untimed for :data:`STALE` of the model's timings therefore leaves it: the size is then read from its
-    neighbours, and chosen and timed afresh where they make it pay; below the first point a size reads cheap (in
-    proportion to it) rather than dear, so that the policy tries it again. A size's first timing enters no point:
+    neighbours, and chosen and timed afresh where they make it pay. A size's first timing enters no point:
     the first step at a new shape is a warm-up (a graph built, buffers allocated), often many times a step's
     time; the sizes given at construction count as warmed."""
 
@@ -105,8 +105,11 @@ class CostModel:
         ts, cs = self.tokens, self._fitted
         if not ts:
             return 0.0
-        if num_tokens <= ts[0] or len(ts) == 1:
+        if len(ts) == 1:
             return cs[0] * num_tokens / ts[0]
+        if num_tokens <= ts[0]:
+            slope = (cs[1] - cs[0]) / (ts[1] - ts[0])
+            return max(cs[0] - slope * (ts[0] - num_tokens), cs[0] * num_tokens / ts[0])
         if num_tokens > ts[-1]:
             slope = max((cs[-1] - cs[-2]) / (ts[-1] - ts[-2]), (cs[-1] - cs[0]) / (ts[-1] - ts[0]))
             return cs[-1] + slope * (num_tokens - ts[-1])

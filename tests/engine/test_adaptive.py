@@ -296,8 +296,8 @@ def test_a_size_timed_once_does_not_lift_the_sizes_above_it():
 
 def test_a_point_untimed_for_long_leaves_the_model():
     """The policy times only what it picks: a point that read too dear would never be timed again. Untimed for
-    STALE of the model's timings it leaves, and its size is read from the neighbours, cheap below the first
-    point, so the policy tries it; its next timing enters at once (it is warm)."""
+    STALE of the model's timings it leaves, and its size is read from the neighbours; its next timing enters at
+    once (it is warm)."""
     cost = CostModel([1, 3, 5], [1.0, 9.0, 1.2])
     for _ in range(STALE):
         cost.observe(5, 1.2)
@@ -309,10 +309,12 @@ def test_a_point_untimed_for_long_leaves_the_model():
 
 
 def test_sizes_outside_the_points_follow_the_measured_growth():
-    """Below the first point a cost scales with the size (a proposal of fewer passes than any timed yet); past
-    the last it grows at least at the fit's mean slope, so a flat last segment does not make wide steps free."""
-    passes = CostModel([3, 4], [3.0, 3.0])
-    assert passes(1) == pytest.approx(1.0) and passes(3) == 3.0
+    """Below the first point a cost follows the first segment (a proposal of fewer passes than any timed yet: the
+    first pass, then each chained one), never under the cost in proportion to the size, the rule with one point;
+    past the last it grows at least at the fit's mean slope, so a flat last segment does not make wide steps free."""
+    passes = CostModel([3, 4], [1.6, 2.0])
+    assert passes(1) == pytest.approx(0.8) and passes(3) == pytest.approx(1.6)
+    assert CostModel([3, 4], [0.3, 3.0])(1) == pytest.approx(0.1) and CostModel([3], [3.0])(1) == pytest.approx(1.0)
     cost = CostModel([1, 5, 15], [1.0, 2.0, 2.0])
     assert cost(30) == pytest.approx(2.0 + 15 * (1.0 / 14)) and cost(10) == 2.0
 
