@@ -5,6 +5,7 @@
     python benchmarks/paged_attention.py --device cpu --heads 4 --kv-heads 2 --head-dim 16 --contexts 64 \\
         --batch-sizes 2 --max-len 128 --iters 1           # a smoke run: Triton under its interpreter
     python benchmarks/paged_attention.py --mla --heads 128 --head-dim 576 --value-dim 512   # DeepSeek-V3's MLA
+    python benchmarks/paged_attention.py --mla ... --mla-tiles padded 32x16x8  # and the kernel with other tiles
 
 Cases: decode (one query per row), verify (``k + 1`` queries, causal) and, in the eager layout, a prefill chunk
 (``--prefill`` queries, causal; graph mode runs prefills eagerly), rows of ``context`` keys each in
@@ -14,7 +15,10 @@ row's whole table of ``--max-len`` positions, masked by position). On CUDA ``ker
 the device's time per call (the call replayed from a CUDA graph, triton's ``do_bench_cudagraph``); on the CPU
 they are wall times under the interpreter, not a measurement. ``max_abs_diff``: the two paths' outputs apart.
 With ``--mla``, the attention is DeepSeek-V3's absorbed MLA (``attend_latent``): every query head over one latent
-head of ``--head-dim`` entries, whose first ``--value-dim`` are the values.
+head of ``--head-dim`` entries, whose first ``--value-dim`` are the values. ``--mla-tiles`` times the kernel again
+with other tiles for the latents, each as ``kernel_<tiles>_us`` and ``max_abs_diff_<tiles>``: ``padded`` (the
+generic kernel: the whole key padded to a power of two, the values read apart from it) or ``MxNxW`` (the latent
+kernel with ``BLOCK_M = M``, ``BLOCK_N = N``, ``W`` warps).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from unittest import mock
 
 import torch
 
@@ -62,26 +68,46 @@ def time_us(fn: Callable[[], object], iters: int, cuda: bool) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=max(iters, 10), return_mode="median") * 1000
 
 
+def latent_tiles(spec: str) -> AbstractContextManager:
+    """A patch under which the kernel reads MLA's latents with ``spec``'s tiles (``--mla-tiles``)."""
+    from tandem.kernels import paged_attention
+
+    if spec == "padded":
+        return mock.patch.object(paged_attention, "values_in_keys", lambda key_cache, value_cache: False)
+    block_m, block_n, num_warps = map(int, spec.split("x"))
+    tile_config = paged_attention.tile_config
+
+    def tiles(*args, **kwargs) -> dict[str, int]:
+        return tile_config(*args, **kwargs) | dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+
+    return mock.patch.object(paged_attention, "tile_config", tiles)
+
+
 def measure(layout, pool: torch.Tensor, args: argparse.Namespace) -> dict:
-    """The two paths' times over ``layout`` (one query per token of its grid) and how far apart they are."""
+    """The two paths' times over ``layout`` (one query per token of its grid) and how far apart they are; with
+    ``--mla-tiles``, the kernel's times with those tiles too."""
     from tandem.models import attention
     from tandem.models.deepseek_v3 import attend_latent
 
     cuda = pool.device.type == "cuda"
     q = torch.randn(layout.num_rows * layout.max_query, args.heads, args.head_dim, device=pool.device, dtype=pool.dtype)
+
+    def call():
+        if args.mla:
+            return attend_latent(layout, q, pool, args.value_dim, args.head_dim**-0.5)
+        return layout.attend(q, pool, args.head_dim**-0.5)
+
     row, outputs = {}, {}
     for backend, name in (("torch", "torch_us"), ("triton", "kernel_us")):
         attention.attention_backend = backend
-
-        def call():
-            if args.mla:
-                return attend_latent(layout, q, pool, args.value_dim, args.head_dim**-0.5)
-            return layout.attend(q, pool, args.head_dim**-0.5)
-
         row[name] = round(time_us(call, args.iters, cuda), 1)
         outputs[backend] = call().float()
     row["speedup"] = round(row["torch_us"] / row["kernel_us"], 2)
     row["max_abs_diff"] = float((outputs["torch"] - outputs["triton"]).abs().max())
+    for spec in args.mla_tiles:  # still the kernel's backend
+        with latent_tiles(spec):
+            row[f"kernel_{spec}_us"] = round(time_us(call, args.iters, cuda), 1)
+            row[f"max_abs_diff_{spec}"] = float((outputs["torch"] - call().float()).abs().max())
     return row
 
 
@@ -102,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20, help="CPU: timed calls; CUDA: milliseconds of replays")
     parser.add_argument("--mla", action="store_true", help="MLA's latent cache: one head, the values its first entries")
     parser.add_argument("--value-dim", type=int, default=512, help="--mla: the latent entries that are the values")
+    parser.add_argument(
+        "--mla-tiles", nargs="*", default=[], metavar="TILES", help="--mla: also time these tiles (padded or MxNxW)"
+    )
     args = parser.parse_args(argv)
+    if args.mla_tiles and not args.mla:
+        parser.error("--mla-tiles needs --mla")
     cuda = args.device.startswith("cuda")
     if not cuda:
         os.environ["TRITON_INTERPRET"] = "1"  # before tandem.kernels' Triton module is imported

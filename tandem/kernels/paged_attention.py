@@ -9,12 +9,18 @@ attention without the copy. The contract, for row ``b``, query ``i`` and query h
 
 where position ``j``'s entry is entry ``(j - key_offset) % block_size`` of block
 ``tables[b, (j - key_offset) // block_size]``, and query head ``h`` reads key/value head
-``h // (nh // nkv)`` (GQA; MLA's latent cache is one head whose values are its keys' first entries).
-Positions are device tensors and nothing is read back to the host, so a call can be captured in a CUDA graph.
+``h // (nh // nkv)`` (GQA). Positions are device tensors and nothing is read back to the host, so a call can be
+captured in a CUDA graph.
+
+MLA (DeepSeek-V3's absorbed attention) caches one latent head per position, ``Dk = Dv + rope`` entries (512 +
+64) whose first ``Dv`` are also the values: every query head reads that one head, and ``value_cache`` is a view
+of ``key_cache``'s first ``Dv`` entries (:func:`values_in_keys`). The kernel then reads each key tile once: its
+``Dv``-wide part is the value tile too, and ``q . k`` is the sum of two products, ``q[:Dv] . k[:Dv]`` over that
+tile and ``q[Dv:] . k[Dv:]`` over the rotary entries, so no key is padded to a power of two (576 to 1024).
 
 Flash-decoding: a program takes one row, one key/value head, a tile of the (query, head-in-group) pairs
-sharing that head (a decode step's GQA group, a verify step's ``k + 1`` queries times the group, so
-one key tile loaded serves them all) and one of ``num_splits`` slices of the keys its queries see. The
+sharing that head (a decode step's GQA group or MLA's every query head, a verify step's ``k + 1`` queries times
+those: one key tile loaded serves them all) and one of ``num_splits`` slices of the keys its queries see. The
 slices are cut from the row's own length, read on the device (one past the tile's last query position),
 so a row much shorter than the key window (a CUDA graph's window is the whole table) still spreads
 over every split, and a split past the row's keys does nothing. Each program runs an online softmax over
@@ -46,6 +52,16 @@ MIN_SPLIT_KEYS = 256  # keys per split at least: fewer, and combining the partia
 _PER_STEP = ["key_start", "key_end", "key_offset", "num_splits", "num_queries", "m_blocks", "stride_tb", "stride_pb"]
 
 
+@triton.jit
+def _dot(a, b, acc, F32_DOT: tl.constexpr):
+    """``acc + a @ b`` accumulated in float32 (``acc`` None: from zeros); with F32_DOT, IEEE float32 products."""
+    if F32_DOT:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
 @triton.jit(do_not_specialize=_PER_STEP + ["stride_qb", "stride_ob", "stride_os", "stride_lb", "stride_ls"])
 def _partial_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, lse_ptr,
@@ -58,7 +74,7 @@ def _partial_kernel(
     scale, key_start, key_end, key_offset, num_splits, num_queries, m_blocks,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+    LATENT: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
     """One (row, key/value head and pair tile, split): its slice's online softmax, normalised, and its
     log2-sum-exp (``-inf`` for an empty slice); with one split, the output itself."""
@@ -76,12 +92,13 @@ def _partial_kernel(
     lo = key_start + split * chunk
     hi = tl.minimum(lo + chunk, end)
 
+    # The key entries read as keys alone, k0 .. DK - 1: all of them, or with LATENT those past the values.
+    k0 = DV if LATENT else 0
     dk, dv = tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        q_ptr + b * stride_qb + qi[:, None] * stride_qq + head[:, None] * stride_qh + dk[None, :],
-        mask=m_ok[:, None] & (dk[None, :] < DK),
-        other=0.0,
-    )  # [BLOCK_M, BLOCK_DK]
+    q_at = q_ptr + b * stride_qb + qi[:, None] * stride_qq + head[:, None] * stride_qh
+    q = tl.load(q_at + k0 + dk[None, :], mask=m_ok[:, None] & (dk[None, :] < DK - k0), other=0.0)  # [BLOCK_M, BLOCK_DK]
+    if LATENT:
+        q_v = tl.load(q_at + dv[None, :], mask=m_ok[:, None] & (dv[None, :] < DV), other=0.0)  # [BLOCK_M, BLOCK_DV]
     qk_scale = scale * _LOG2E  # exp2 instead of exp
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -92,24 +109,21 @@ def _partial_kernel(
         rel = kpos - key_offset
         block = tl.load(table_ptr + b * stride_tb + rel // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         entry = block * stride_kb + (rel % BLOCK_SIZE) * stride_ke + head_kv * stride_kh
-        k = tl.load(k_ptr + entry[None, :] + dk[:, None], mask=k_ok[None, :] & (dk[:, None] < DK), other=0.0)
-        if F32_DOT:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
+        k = tl.load(
+            k_ptr + entry[None, :] + k0 + dk[:, None], mask=k_ok[None, :] & (dk[:, None] < DK - k0), other=0.0
+        )  # [BLOCK_DK, BLOCK_N]
+        entry = block * stride_vb + (rel % BLOCK_SIZE) * stride_ve + head_kv * stride_vh
+        v = tl.load(v_ptr + entry[:, None] + dv[None, :], mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        s = _dot(q, k, None, F32_DOT)
+        if LATENT:  # the value tile is the keys' first DV entries too: each latent is read once, for both products
+            s = _dot(q_v, tl.trans(v), s, F32_DOT)
         s = tl.where(k_ok[None, :] & (kpos[None, :] <= qpos[:, None]), s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a pair that has seen no key yet: all terms 0
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        entry = block * stride_vb + (rel % BLOCK_SIZE) * stride_ve + head_kv * stride_vh
-        v = tl.load(v_ptr + entry[:, None] + dv[None, :], mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        p = p.to(v.dtype)
-        if F32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, None, F32_DOT)
         m_i = m_new
 
     seen = l_i > 0
@@ -154,13 +168,25 @@ def _programs_to_fill(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def tile_config(pairs: int, dim_k: int, dim_v: int, dtype: torch.dtype) -> dict[str, int]:
-    """`_partial_kernel`'s tiles and warps for ``pairs`` (queries x heads in a group) per row and key/value head.
+def tile_config(pairs: int, dim_k: int, dim_v: int, dtype: torch.dtype, latent: bool = False) -> dict[str, int]:
+    """`_partial_kernel`'s tiles and warps for ``pairs`` (queries x heads in a group) per row and key/value head,
+    ``latent`` where the values are the keys' first ``dim_v`` entries (:func:`values_in_keys`).
 
-    Wide heads (MLA's latents) take fewer pairs and keys per tile, and bigger tiles (a prefill's, MLA's,
-    float32's) more warps, so that no thread's share of a tile spills out of its registers (compiled for sm_90:
-    tests/kernels/test_paged_attention.py)."""
-    block_dk, block_dv = max(16, triton.next_power_of_2(dim_k)), max(16, triton.next_power_of_2(dim_v))
+    Wide heads take fewer pairs and keys per tile, and bigger tiles (a prefill's, float32's) more warps, so that
+    no thread's share of a tile spills out of its registers (compiled for sm_90: tests/kernels/test_paged_attention.py).
+    MLA's latents take 64 pairs (32 in float32): every query head reads the one latent head, and each tile of pairs
+    reads all of a row's latents again, which costs more than the few registers a 64-pair tile spills (README,
+    paged attention)."""
+    block_dv = max(16, triton.next_power_of_2(dim_v))
+    if latent:  # BLOCK_DK: the rotary entries past the values
+        return dict(
+            BLOCK_M=min(max(16, triton.next_power_of_2(pairs)), 32 if dtype == torch.float32 else 64),
+            BLOCK_N=16 if dtype == torch.float32 else 32,
+            BLOCK_DK=max(16, triton.next_power_of_2(dim_k - dim_v)),
+            BLOCK_DV=block_dv,
+            num_warps=8,
+        )
+    block_dk = max(16, triton.next_power_of_2(dim_k))
     block_m = min(max(16, triton.next_power_of_2(pairs)), 64 if block_dk <= 128 else 16)
     num_warps = 4 if block_m * block_dk <= 32 * 128 and dtype != torch.float32 else 8
     return dict(
@@ -170,6 +196,12 @@ def tile_config(pairs: int, dim_k: int, dim_v: int, dtype: torch.dtype) -> dict[
         BLOCK_DV=block_dv,
         num_warps=num_warps,
     )
+
+
+def values_in_keys(key_cache: Tensor, value_cache: Tensor) -> bool:
+    """Whether ``value_cache`` is a view of ``key_cache``'s first entries (MLA's latents: ``cache[:, :, None]`` and
+    ``cache[:, :, None, :Dv]``), so that one tile read serves as both."""
+    return value_cache.data_ptr() == key_cache.data_ptr() and value_cache.stride() == key_cache.stride()
 
 
 def choose_splits(num_rows: int, num_kv_heads: int, m_blocks: int, window: int, device: torch.device) -> int:
@@ -199,7 +231,8 @@ def paged_attention_triton(
         query: ``[B, Q, nh, Dk]``, a decode step's ``Q = 1`` or a verify's ``k + 1``.
         key_cache: ``[num_blocks, block_size, nkv, Dk]`` (a view: Llama's ``cache[:, :, 0]``, MLA's latents
             ``cache[:, :, None]``); value_cache: ``[num_blocks, block_size, nkv, Dv]`` (``cache[:, :, 1]``,
-            ``cache[:, :, None, :Dv]``). ``nh`` is a multiple of ``nkv``; last dims contiguous.
+            ``cache[:, :, None, :Dv]``: the keys' first entries, read once for both). ``nh`` is a multiple of
+            ``nkv``; last dims contiguous.
         tables: ``[B, nb]`` integer, each row's blocks over the key window, ``tables[b, i]`` holding
             positions ``key_offset + i * block_size ..``.
         positions: ``[B, Q]`` int, each query's position: it sees the keys at positions ``<=`` its own
@@ -220,8 +253,8 @@ def paged_attention_triton(
     if not key_cache.stride(-1) == value_cache.stride(-1) == 1:
         raise ValueError("key_cache and value_cache need a contiguous last dimension (views of the pool's entries)")
     query = query if query.stride(-1) == 1 else query.contiguous()
-    group = num_heads // num_kv_heads
-    tiles = tile_config(width * group, dim_k, dim_v, query.dtype)
+    group, latent = num_heads // num_kv_heads, values_in_keys(key_cache, value_cache)
+    tiles = tile_config(width * group, dim_k, dim_v, query.dtype, latent)
     m_blocks = triton.cdiv(width * group, tiles["BLOCK_M"])
     if splits is None:
         splits = choose_splits(rows, num_kv_heads, m_blocks, key_end - key_start, query.device)
@@ -240,7 +273,7 @@ def paged_attention_triton(
         part.stride(0), part.stride(1), part.stride(2), part.stride(3),
         *lse.stride()[:3],
         scale, key_start, key_end, key_offset, splits, width, m_blocks,
-        BLOCK_SIZE=key_cache.shape[1], GROUP=group, DK=dim_k, DV=dim_v, SPLIT=splits > 1,
+        BLOCK_SIZE=key_cache.shape[1], GROUP=group, DK=dim_k, DV=dim_v, LATENT=latent, SPLIT=splits > 1,
         # IEEE float32 products for float32 inputs; and on the CPU (the interpreter), whose 16-bit dot is wrong.
         F32_DOT=query.dtype == torch.float32 or query.device.type != "cuda",
         **tiles,
