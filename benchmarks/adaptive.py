@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             for case in CASES
         }
         prompts = [chat_prompt_ids(llms["plain"].tokenizer, ex.messages, ex.tools) for ex in examples]
-        for llm in llms.values():  # warm-up: graphs, caches, the policy's first timings
-            run_round(llm.engine, prompts[: args.batch], args.batch, 8)
+        for llm in llms.values():  # warm-up, a whole round: every graph the rounds meet, caches, the policy's timings
+            run_round(llm.engine, prompts, args.batch, args.max_tokens)
         rounds = {case: [] for case in CASES}
         for _ in range(args.repeats):
             for case, llm in llms.items():

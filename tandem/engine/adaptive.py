@@ -8,10 +8,13 @@ row starts from the draft's recent acceptance). A row verifying j drafts then co
 
     E_b(j) = 1 + a + ... + a^j = (1 - a^(j+1)) / (1 - a)
 
-tokens. All rows share the step, whose time is ``cost(T) + draft(J)`` for ``T = sum_b (j_b + 1)`` verified
-tokens: ``cost`` is the measured time of a target forward plus acceptance over T tokens (`CostModel`,
-calibrated once at engine start, then the median of the steps' own recent times at each T, the engine's
-per-step host work included, fitted non-decreasing) and ``draft(J)`` the measured time of a proposal of J chained
+tokens. All rows share the step, whose time is ``cost(T) + draft(J) + o`` for ``T = sum_b (j_b + 1)`` verified
+tokens: ``cost`` is the measured time of a step from its start (scheduling, staging the verify's inputs) to its
+commit over T tokens (`CostModel`, calibrated once at engine start from forwards plus acceptance, then the median
+of the steps' own recent times at each T, fitted non-decreasing), ``o`` the rest of a step's period, from one
+step's start to the next one's less what entered cost and draft (the draft's choice and walks, deferring, the
+caller's handling of the step's output: the median of its recent values), and ``draft(J)`` the measured time of a
+proposal of J chained
 passes, ``J = max_b j_b``: the draft proposes only as far as the row that drafts most (a `CostModel` over
 passes, from the proposals' own timings). When no row drafts (J = 0) the draft does not run: a draft without
 state needs nothing, and one that reads the target's hidden states takes the step's tokens when a row next
@@ -19,12 +22,14 @@ drafts (`batching.defer_draft`; that proposal's first pass is wider, so its time
 over several ranks, where the ranks run such a draft, it runs its first pass anyway (J is at least 1 for it).
 The policy picks the ``j_b`` in 0..k_max maximising
 
-    sum_b E_b(j_b) / (cost(sum_b (j_b + 1)) + draft(max_b j_b))
+    sum_b E_b(j_b) / (cost(sum_b (j_b + 1)) + draft(max_b j_b) + o)
 
 exactly: the marginal gain of a row's j-th draft is ``a_b^j``, decreasing in j, so for a cap J on every
 row's drafts and a total of m drafts the best allocation is the m largest marginals with j <= J; the
 policy scans J = 0 .. k_max and m = 0 .. B * J. m = 0 (every row 0: the plain step) is one of the
-options, so by the model the choice is never slower than plain decoding. A row that has drafted nothing
+options, so by the model the choice is never slower than plain decoding. ``o`` is paid by every option alike, so
+it weighs against a step that commits few tokens: where the device is fast and the host's work per step is a
+large share of a step (a GPU in graph mode), it is what makes drafting pay. A row that has drafted nothing
 for ``probe_every`` steps drafts one position anyway, so its estimate can recover when the text turns
 predictable.
 
@@ -153,12 +158,14 @@ def choose_drafts(
     cost: CostModel,
     draft_cost: Callable[[int], float],
     pinned: list[bool] | None = None,
+    overhead: float = 0.0,
 ) -> list[int]:
     """The drafts per row (0..k_max) maximising expected committed tokens per second (the module's rule).
 
     rates: each row's per-position acceptance estimate; draft_cost: the draft's seconds in a step by the most
     drafts any row verifies (0: no row drafts; :meth:`AdaptivePolicy.draft_seconds`); pinned: rows that verify
-    k_max drafts whatever the rule says (their cost and gain still count)."""
+    k_max drafts whatever the rule says (their cost and gain still count); overhead: a step's seconds besides
+    its verify and proposal (the module's ``o``)."""
     rows = len(rates)
     pinned = pinned or [False] * rows
     if rows == 0 or k_max == 0:
@@ -167,7 +174,7 @@ def choose_drafts(
     forced = k_max * (rows - len(free))
     base = sum(expected_tokens(a, k_max) if p else 1.0 for a, p in zip(rates, pinned))
     marginals = sorted(((rates[b] ** j, j, b) for b in free for j in range(1, k_max + 1)), reverse=True)
-    verify = [cost(rows + forced + m) for m in range(len(marginals) + 1)]  # seconds by drafts verified
+    verify = [cost(rows + forced + m) + overhead for m in range(len(marginals) + 1)]  # seconds by drafts verified
     propose = [draft_cost(j) for j in range(k_max + 1)]  # by the most a row drafts
     best, best_cap, best_m = -1.0, 0, 0
     for cap in [k_max] if forced else range(k_max + 1):  # a pinned row makes the draft run k_max passes anyway
@@ -191,13 +198,18 @@ def draft_passes(most_drafts: int, draft_always: bool) -> int:
 
 
 def forced_extension(
-    probs: list[list[float]], runs: list[int], cost: CostModel, draft_cost: float, pinned: list[bool]
+    probs: list[list[float]],
+    runs: list[int],
+    cost: CostModel,
+    draft_cost: float,
+    pinned: list[bool],
+    overhead: float = 0.0,
 ) -> list[bool]:
     """Which rows verify their forced run after their drafts (the module's rule).
 
     probs: each row's acceptance probability per chosen draft (1.0 where forced); runs: the forced tokens
-    that could follow them; draft_cost: seconds of this step's proposal (0 when none runs); pinned rows
-    verify their run whatever it costs."""
+    that could follow them; draft_cost: seconds of this step's proposal (0 when none runs), overhead: the
+    step's other seconds (`choose_drafts`); pinned rows verify their run whatever it costs."""
     reach = [math.prod(p) for p in probs]
     gained = sum(1.0 + sum(itertools.accumulate(p, operator.mul)) for p in probs)
     tokens = sum(len(p) + 1 for p in probs)
@@ -207,7 +219,8 @@ def forced_extension(
             gained, tokens = gained + runs[b] * reach[b], tokens + runs[b]
     for b in sorted((b for b in range(len(probs)) if runs[b] > 0 and not pinned[b]), key=lambda b: -reach[b]):
         more, wider = gained + runs[b] * reach[b], tokens + runs[b]
-        if more / (cost(wider) + draft_cost) > gained / (cost(tokens) + draft_cost):
+        fixed = draft_cost + overhead
+        if more / (cost(wider) + fixed) > gained / (cost(tokens) + fixed):
             include[b], gained, tokens = True, more, wider
     return include
 
@@ -231,6 +244,7 @@ class AdaptivePolicy:
     decay: float = 0.9  # weight of the past per update
     probe_every: int = 8  # a row without drafts for this many steps drafts one
     draft_cost: CostModel = field(default_factory=lambda: CostModel([], []))  # a proposal's seconds by its passes
+    overheads: collections.deque = field(default_factory=lambda: collections.deque(maxlen=WINDOW))  # o's timings
     rows: dict[str, RowEstimate] = field(default_factory=dict)
     overall: RowEstimate = field(default_factory=RowEstimate)  # every row's outcomes (decay 0.99): the prior
     chosen: collections.Counter = field(default_factory=collections.Counter)  # k -> row-steps
@@ -268,6 +282,14 @@ class AdaptivePolicy:
         """A proposal's measured time over `passes` chained passes."""
         self.draft_cost.observe(passes, seconds)
 
+    def observe_overhead(self, seconds: float) -> None:
+        """A step's period less its verify's and its proposal's timed seconds (the module's ``o``)."""
+        self.overheads.append(seconds)
+
+    def overhead(self) -> float:
+        """The module's ``o``: the median of the recent :meth:`observe_overhead` timings (0 before any)."""
+        return statistics.median_low(self.overheads) if self.overheads else 0.0
+
     def draft_seconds(self, most_drafts: int) -> float:
         """The draft's expected time in a step where the row that drafts most drafts `most_drafts`: a proposal of
         :func:`draft_passes` chained passes, 0 for none. 0 before any timing: the policy then tries drafting, and
@@ -281,7 +303,7 @@ class AdaptivePolicy:
         """Whether each row verifies its forced run of `runs[b]` tokens after its drafts (`forced[b]`: which of
         them are forced), by `forced_extension`."""
         probs = [[1.0 if f else self.rate(r) for f in row] for r, row in zip(request_ids, forced)]
-        return forced_extension(probs, runs, self.cost, draft_cost, pinned)
+        return forced_extension(probs, runs, self.cost, draft_cost, pinned, self.overhead())
 
     def forget(self, request_id: str) -> None:
         self.rows.pop(request_id, None)
@@ -289,7 +311,8 @@ class AdaptivePolicy:
     def choose(self, request_ids: list[str], pinned: list[bool] | None = None) -> list[int]:
         """Each row's drafts for its next verify (0..k_max), probes included; counted in `chosen`.
         `pinned` rows keep k_max (sampled rows: see the module docstring)."""
-        counts = choose_drafts([self.rate(r) for r in request_ids], self.k_max, self.cost, self.draft_seconds, pinned)
+        rates = [self.rate(r) for r in request_ids]
+        counts = choose_drafts(rates, self.k_max, self.cost, self.draft_seconds, pinned, self.overhead())
         for b, r in enumerate(request_ids):
             e = self.rows.get(r)
             if counts[b] == 0 and e is not None and e.idle + 1 >= self.probe_every:

@@ -183,7 +183,13 @@ class Engine:
         widths = (1, self.k + 1, self.max_drafts + 1)  # decode; verify and a draft's first pass; forced runs
         if self.graph_mode == "compiled":
             self.runner = GraphRunner(
-                target, self.target_cache, draft, self.draft_cache, widths=widths, capture_sizes=capture_sizes
+                target,
+                self.target_cache,
+                draft,
+                self.draft_cache,
+                widths=widths,
+                capture_sizes=capture_sizes,
+                max_chain=self.k,
             )
         if workers is not None:
             compiled = self.runner is not None
@@ -229,6 +235,10 @@ class Engine:
             cost = self._calibrate()
             self.calibration_s = time.perf_counter() - start
             self.policy = AdaptivePolicy(self.k, cost, draft_always=not self._draft_skippable)
+        # The timings of the last step that entered the policy's models: its start (`_mark`) and its seconds there
+        # (verify and proposal); the next step's start gives the rest of its period (the policy's overhead).
+        self._step_mark, self._step_timed = self._mark(), None
+        self._last_step: tuple[tuple[float, float], float] | None = None
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -292,6 +302,13 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StreamDelta]:
         """One unified step over all running rows; returns what each touched request gained."""
+        self._step_mark = self._mark()
+        if self._last_step is not None:
+            started, timed = self._last_step
+            period = self._elapsed(started)
+            if period is not None:
+                self.policy.observe_overhead(period - timed)
+            self._last_step = None
         rows = self.scheduler.schedule()
         if not rows:
             if self.scheduler.waiting:  # only grammars still compiling: yield the CPU to their workers
@@ -311,7 +328,6 @@ class Engine:
             runner=self.runner,
             cache=self.target_cache,
         )
-        self._step_mark = self._mark()
         with torch_threads(self._threads_for(inputs.batch)):
             return self._run_step(rows, inputs, k, [b for b, end in enumerate(ends) if end is not None])
 
@@ -463,9 +479,10 @@ class Engine:
                 in_thinking = None if in_thinking is None else in_thinking[:, : k + 1]
             result = self._accept(full, scores, drafts, bitmask, in_thinking, inputs.sampling)
             deltas = self._commit(full, result, logits)
-        seconds = self._elapsed(self._step_mark)
-        if self.policy is not None and not prefill and seconds is not None:
+        seconds = None if prefill else self._elapsed(self._step_mark)
+        if self.policy is not None and seconds is not None:
             self.policy.cost.observe(batch.num_tokens, seconds)
+        self._step_timed = seconds  # `_draft_proposal` adds the proposal's
         if self.draft is not None:
             self._propose([r for r in full if r.output.finish_reason is None], rows, out, batch)
         if chunked and self.draft_cache is not None:
@@ -480,6 +497,8 @@ class Engine:
                     held = min(held, r.undrafted.start)
                 self.blocks.register(r.slot, r.tokens, held)
                 self.blocks.trim(r.slot, len(r.tokens))
+        if self.policy is not None and self._step_timed is not None:
+            self._last_step = self._step_mark, self._step_timed
         return deltas
 
     def _fill_draft(self, chunked: list[Request], rows: list[Request], out, batch: ForwardBatch) -> None:
@@ -638,13 +657,15 @@ class Engine:
                 constraint=walk,
                 adjust=adjust,
                 step=None if self.runner is None else self.runner.draft_step,
+                chain=None if self.runner is None else self.runner.draft_chain,
             ),
             passes,
         )
         proposed = proposal.tokens.tolist()  # one read of the device for every row
-        seconds = self._elapsed(mark)
-        if self._adaptive() and seconds is not None and not catching_up:
+        seconds = None if catching_up else self._elapsed(mark)
+        if self._adaptive() and seconds is not None:
             self.policy.observe_draft_time(seconds, passes)
+        self._step_timed = None if seconds is None or self._step_timed is None else self._step_timed + seconds
         return proposed, proposal.probs
 
     def _run_draft(self, inp: DraftInput, num_tokens: int) -> DraftProposal:

@@ -15,6 +15,11 @@ row's blocks gathered and its keys masked by position. Padding rows read a scrat
 engine's (``GraphRunner.SCRATCH_SLOTS``), whose table holds only the scratch block, and padding
 tokens write the scratch block, so they never touch a real row's cache.
 
+A chained draft's greedy proposal for rows without constraint or adjustments is one graph of all its steps
+(``draft_chain``, keyed by bucket, width and length): each step's head and argmax feed the next inside it, so the
+host launches one replay per proposal instead of a replay per step and the head and argmax between them. The
+steps after the first read plans of one token per row (``chain_plan``), staged with the first's.
+
 Over several ranks each rank runs its own runner, over the shapes the driver's runs (every rank sees the same
 spans, so they build and replay the same graphs at the same steps and meet in the collectives inside them).
 Under data-parallel attention (DeepSeek-V3) a rank caches only its own rows' entries, and which rows those are
@@ -110,6 +115,7 @@ class GraphRunner:
         *,
         widths: Sequence[int],
         capture_sizes: Sequence[int],
+        max_chain: int = 1,
         backend: str | None = None,
     ):
         if not hasattr(target, "forward_layout"):
@@ -135,10 +141,21 @@ class GraphRunner:
         self.plan = torch.zeros(2 * tokens + self.buckets[-1], dtype=torch.int64, device=self.device)
         chained = draft is not None and draft_cache is not None and hasattr(draft, "step_layout")
         self.draft_step = self._draft_step if chained else None  # DraftInput.step: None keeps the draft's own
+        # DraftInput.chain: a whole proposal in one graph (not over ranks: theirs follow the driver pass by pass)
+        self.draft_chain = self._draft_chain if chained and not self.data_parallel else None
+        self.longest_chains = self.cuda  # every chain as long as the longest proposal (`_chain_length`)
         dtype = target_cache.layers[0].dtype  # the target's: its hidden states fill the draft's input buffer
         self.hidden = torch.zeros(tokens, target.hidden_size, dtype=dtype, device=self.device) if chained else None
+        # The plans of a chain's passes after its first: positions, write indices and slots of one token per row.
+        self.chain_plan = (
+            torch.zeros(max(max_chain - 1, 0), 3 * self.buckets[-1], dtype=torch.int64, device=self.device)
+            if chained
+            else None
+        )
         self.graph_bytes = sum(
-            t.numel() * t.element_size() for t in (self.input_ids, self.plan, self.hidden) if t is not None
+            t.numel() * t.element_size()
+            for t in (self.input_ids, self.plan, self.hidden, self.chain_plan)
+            if t is not None
         )
         self.compile_s, self.fallbacks, self.replays = 0.0, 0, 0
         self._graphs: dict[tuple, Graph] = {}
@@ -155,10 +172,11 @@ class GraphRunner:
         if shape is None:
             self.fallbacks += 1
             return self.target.forward(batch, cache, return_hidden=return_hidden, return_aux=return_aux)
-        cache.begin_forward(batch)
+        cache.begin_forward(batch.spans)
         grid = self._load(batch, shape, cache.first_position)
         key = ("target", *shape, return_hidden, return_aux)
-        logits, hidden, aux = self._run(key, self._target_body(return_hidden, return_aux), batch, shape, cache, ())
+        body = self._target_body(return_hidden, return_aux)
+        logits, hidden, aux = self._run(key, body, batch.spans, shape, cache, ())
         index = batch.logits_indices
         if grid is not None:
             index = grid if index is None else grid[index]
@@ -174,15 +192,55 @@ class GraphRunner:
         if shape is None:
             self.fallbacks += 1
             return self.draft.step(batch, hidden, cache)
-        cache.begin_forward(batch)
+        cache.begin_forward(batch.spans)
         grid = self._load(batch, shape, cache.first_position)
+        inputs = self._hidden(hidden, shape, grid)
+        out = self._run(("draft", *shape), self._draft_body(), batch.spans, shape, cache, (inputs,))
+        return _rows(out, grid)
+
+    def _draft_chain(
+        self, batch: ForwardBatch, hidden: Tensor, cache: KVCache, head: Callable[[Tensor], Tensor], k: int
+    ) -> Tensor | None:
+        """A chained draft's whole greedy proposal (``tandem.models.drafts.chained.propose_chained`` without
+        constraint or adjustments) as one graph: its first step over ``batch`` and ``hidden [T, H]``, then ``k - 1``
+        steps of one token per row, each the argmax of ``head`` over the last one's output; ``[B, k]`` int64, or
+        None when the rows fit no bucket or ``k`` exceeds the chains the runner holds plans for. The chain may run
+        further than ``k`` (:meth:`_chain_length`); its cache entries past the proposal are rewritten later."""
+        shape = self._shape(batch.spans)
+        if shape is None or k > len(self.chain_plan) + 1:
+            return None
+        rows, first_position = shape[0], cache.first_position
+        chain = [batch.spans]
+        for _ in range(self._chain_length(batch.spans, k, cache) - 1):
+            chain.append(chain[-1].following())
+        for spans in chain:
+            cache.begin_forward(spans)
+        grid = self._load(batch, shape, first_position)
+        for i, spans in enumerate(chain[1:]):  # their plans' grid part (rows in order) is not needed
+            self.chain_plan[i, : 3 * rows].copy_(self._plan_tensor(spans, (rows, 1), first_position)[: 3 * rows])
+        extra = (self._hidden(hidden, shape, grid), self.chain_plan[: len(chain) - 1, : 3 * rows])
+        tokens = self._run(("chain", *shape, len(chain)), self._chain_body(head), chain[-1], shape, cache, extra)
+        return tokens[: batch.num_rows, :k].clone()  # the graph's output buffer is rewritten at its next replay
+
+    def _chain_length(self, spans: RowSpans, k: int, cache: KVCache) -> int:
+        """The steps of a chain for a proposal of ``k`` over ``spans``. With :attr:`longest_chains` (CUDA) the
+        longest the runner holds plans for, where every row's blocks hold its positions: one graph per length would
+        multiply the captures (and the steps that capture), and a step costs the device little where the host
+        bounds a proposal. On the CPU every step is compute: ``k``."""
+        longest = len(self.chain_plan) + 1
+        if not self.longest_chains or k == longest:
+            return k
+        room = [min(cache.max_len, cache.table.capacity(slot)) for slot in spans.slots]
+        return longest if all(end + longest - 1 <= top for end, top in zip(spans.ends(), room)) else k
+
+    def _hidden(self, hidden: Tensor, shape: tuple[int, int], grid: Tensor | None) -> Tensor:
+        """The draft's hidden-input buffer for ``shape``, filled with ``hidden [T, H]`` at the tokens' grid places."""
         inputs = self.hidden[: shape[0] * shape[1]]
         if grid is None:
             inputs.copy_(hidden)
         else:
             inputs[grid] = hidden.to(inputs.dtype)
-        out = self._run(("draft", *shape), self._draft_body(), batch, shape, cache, (inputs,))
-        return _rows(out, grid)
+        return inputs
 
     # ---------------------------------------------------------------- host planning
     def stage_forward(self, spans: RowSpans, staging: Staging) -> None:
@@ -191,10 +249,11 @@ class GraphRunner:
         self._stage([spans], self.target_cache, staging)
 
     def stage_draft(self, spans: RowSpans, num_steps: int, staging: Staging) -> None:
-        """Plan ahead a chained proposal's ``num_steps`` draft steps: the first over ``spans``, each next one a
-        token per row past the last (``ForwardBatch.following``), as :meth:`stage_forward` does."""
+        """Plan ahead a chained proposal's ``num_steps`` draft steps (its chain's, :meth:`_chain_length`): the first
+        over ``spans``, each next one a token per row past the last (``ForwardBatch.following``), as
+        :meth:`stage_forward` does."""
         chain = [spans] if self.draft_step is not None else []  # a draft that is not chained runs no graph
-        for _ in range(num_steps - 1 if chain else 0):
+        for _ in range(self._chain_length(spans, num_steps, self.draft_cache) - 1 if chain else 0):
             chain.append(chain[-1].following())
         self._stage(chain, self.draft_cache, staging)
 
@@ -252,12 +311,7 @@ class GraphRunner:
         (None when the batch fills the grid in order). Its plan was sent ahead (:meth:`stage_forward`,
         :meth:`stage_draft`), or goes now in one copy; no device read."""
         rows, width = shape
-        plan = self._staged.pop(self._plan_key(batch.spans, first_position), None)
-        if plan is None:
-            staging = Staging(self.device)
-            self.table.sync(staging)
-            plan = staging.int64(self._plan(batch.spans, shape, first_position))
-            staging.send()
+        plan = self._plan_tensor(batch.spans, shape, first_position)
         size = 2 * rows * width + rows
         self.plan[:size].copy_(plan[:size])
         ids = self.input_ids[: rows * width]
@@ -267,6 +321,16 @@ class GraphRunner:
         index = plan[size:]
         ids[index] = batch.input_ids
         return index
+
+    def _plan_tensor(self, spans: RowSpans, shape: tuple[int, int], first_position: int) -> Tensor:
+        """The plan of a forward over ``spans`` padded to ``shape`` on the device: the one sent ahead, or sent now."""
+        plan = self._staged.pop(self._plan_key(spans, first_position), None)
+        if plan is None:
+            staging = Staging(self.device)
+            self.table.sync(staging)
+            plan = staging.int64(self._plan(spans, shape, first_position))
+            staging.send()
+        return plan
 
     # ---------------------------------------------------------------- graphs
     def _target_body(self, return_hidden: bool, return_aux: bool) -> Callable:
@@ -292,6 +356,30 @@ class GraphRunner:
 
         return body
 
+    def _chain_body(self, head: Callable[[Tensor], Tensor]) -> Callable:
+        draft = self.draft
+
+        def body(input_ids, positions, write_index, slots, tables, layers, key_start, block_size, hidden, chain_plan):
+            """The first step over the grid ``[B_bucket, Q]``, each row's last token's output (its positions rise
+            to the last real one: the first maximum), then a step per ``chain_plan`` row ``[B_bucket * 3]``."""
+            rows = positions.shape[0]
+            layout = RaggedLayout.static(positions, write_index, tables.index_select(0, slots), key_start, block_size)
+            out = draft.step_layout(layout, input_ids, positions.flatten(), hidden, layers)
+            last = positions.argmax(dim=1) + torch.arange(rows, device=positions.device) * positions.shape[1]
+            h, tokens = out[last], []
+            for plan in [*chain_plan, None]:
+                tokens.append(head(h).argmax(dim=-1))  # the lowest id among ties, as the eager chain's
+                if plan is not None:
+                    step_positions, step_writes, step_slots = plan.view(3, rows)
+                    step_tables = tables.index_select(0, step_slots)
+                    layout = RaggedLayout.static(
+                        step_positions[:, None], step_writes, step_tables, key_start, block_size
+                    )
+                    h = draft.step_layout(layout, tokens[-1], step_positions, h, layers)
+            return torch.stack(tokens, dim=1)
+
+        return body
+
     def _owned(self, slots: Tensor, width: int) -> dict[str, Tensor]:
         """A body's ``owned`` argument under data-parallel attention: ``[B * Q] bool``, the tokens of the rows this
         rank attends, read from the slots buffer ``[B]`` (:meth:`_plan` gives the others the scratch slot, padding
@@ -301,16 +389,17 @@ class GraphRunner:
             return {}
         return {"owned": (slots != self.scratch)[:, None].expand(-1, width).flatten()}
 
-    def _run(self, key: tuple, body: Callable, batch: ForwardBatch, shape: tuple[int, int], cache: KVCache, extra):
+    def _run(self, key: tuple, body: Callable, spans: RowSpans, shape: tuple[int, int], cache: KVCache, extra):
         """Run ``key``'s graph of ``body`` over the buffers (building it on first use); returns its outputs.
 
         The key window: a CUDA graph's is fixed, every row's whole block table; a compiled CPU graph's is the
-        blocks up to the rows' furthest position, at least two (a size of 1 would specialise the graph). A
-        compiled graph is specialised to the torch threads it ran with (the engine runs larger steps on more),
-        so they are part of its key; its body's eager warm-up runs once per key less them: over several ranks every
-        rank must run a step's collectives as often as the others, whatever threads it runs with."""
+        blocks up to the furthest position of the rows ``spans`` (a chain's last step's), at least two (a size of 1
+        would specialise the graph). A compiled graph is specialised to the torch threads it ran with (the engine
+        runs larger steps on more), so they are part of its key; its body's eager warm-up runs once per key less
+        them: over several ranks every rank must run a step's collectives as often as the others, whatever threads
+        it runs with."""
         table = self.table
-        blocks = min(max(-(-max(batch.spans.ends()) // table.block_size), 2), table.max_blocks)
+        blocks = min(max(-(-max(spans.ends()) // table.block_size), 2), table.max_blocks)
         args = self._args(shape, cache, table.max_blocks if self.cuda else blocks, extra)
         warm = key
         if not self.cuda:

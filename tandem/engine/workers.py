@@ -477,7 +477,8 @@ class Workers:
             dist.broadcast(batch.input_ids.contiguous(), src=0)  # a chained step's ids: a column of [B, k] tokens
             return run(batch, hidden, cache)
 
-        return self.ranks.guarded(draft.propose, replace(inp, step=step), cache, num_tokens)
+        # Step by step (no chain graph): each step's ids go to the ranks before it runs.
+        return self.ranks.guarded(draft.propose, replace(inp, step=step, chain=None), cache, num_tokens)
 
     def _send_counted(self, message: _Forward | _Draft) -> None:
         # Counted before it is sent: a rank that never takes it is behind. A proposal counts as one forward.

@@ -307,14 +307,14 @@ class KVCache:
         for slot, n in zip(slots, lengths, strict=True):
             self.lengths[slot] = n
 
-    def begin_forward(self, batch: ForwardBatch) -> None:
-        """Check that ``batch`` fits and leaves no gap, then set each row's length to its last position + 1.
+    def begin_forward(self, spans: RowSpans) -> None:
+        """Check that a forward over ``spans`` (a batch's rows) fits and leaves no gap, then set each row's length
+        to its last position + 1.
 
         Call once per forward, before writing. Raises ``ValueError`` naming the row when it has no
         tokens, names a slot that does not exist, ends past ``max_len`` or past its slot's blocks, or
-        starts beyond what its slot holds. Reads only the batch's host-side :class:`RowSpans`.
+        starts beyond what its slot holds.
         """
-        spans = batch.spans
         for b, (slot, first, n) in enumerate(zip(spans.slots, spans.starts, spans.lengths)):
             if n <= 0:
                 raise ValueError(f"row {b} has no tokens (lengths {spans.lengths}); every row needs at least one")
@@ -415,6 +415,10 @@ class DraftInput:
     # How a chained draft runs each of its steps, ``(batch, hidden [T, *], cache) -> [T, H]``: None is the
     # draft's own eager ``step``; graph mode passes its runner's (``tandem.engine.graphs.GraphRunner.draft_step``).
     step: Callable[[ForwardBatch, Tensor, KVCache], Tensor] | None = None
+    # A chained draft's whole greedy proposal, ``(batch, hidden [T, *], cache, head, k) -> [B, k]`` or None where it
+    # cannot: graph mode's one graph for every step (``GraphRunner.draft_chain``), for rows without constraint or
+    # adjustments (those choose each token on the host between steps). None: step by step.
+    chain: Callable[[ForwardBatch, Tensor, KVCache, Callable[[Tensor], Tensor], int], Tensor | None] | None = None
 
 
 @dataclass

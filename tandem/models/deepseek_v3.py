@@ -339,7 +339,7 @@ class DeepseekV3(nn.Module):
         """
         if return_aux and not all(0 <= i <= self.num_layers for i in self.aux_layer_ids):
             raise ValueError(f"aux_layer_ids {self.aux_layer_ids} outside hidden_states indices 0..{self.num_layers}")
-        cache.begin_forward(batch)
+        cache.begin_forward(batch.spans)
         if self.data_parallel_attention:
             layout, positions, tokens = own_rows(self.shard, batch, cache)
         else:

@@ -167,7 +167,7 @@ class Llama3(nn.Module):
         ``aux_hidden [T, len(aux_layer_ids) * H]``: the inputs of layers ``aux_layer_ids`` (id L = final output).
 
         The host's part (the cache's checks, the layout), then :meth:`forward_layout`."""
-        cache.begin_forward(batch)
+        cache.begin_forward(batch.spans)
         layout = RaggedLayout.build(batch, cache)
         return self.forward_layout(
             layout, batch.input_ids, batch.positions, cache.layers, batch.logits_indices, return_hidden, return_aux

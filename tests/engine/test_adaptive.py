@@ -1,6 +1,7 @@
 """Adaptive speculation (engine/adaptive.py): the policy's choice, exactness, and the fall to plain steps."""
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -9,18 +10,25 @@ from tandem.decoding.params import SamplingParams
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
 from tandem.engine import Engine, EngineConfig
 from tandem.engine import engine as engine_module
-from tandem.engine.adaptive import STALE, AdaptivePolicy, CostModel, choose_drafts, expected_tokens
+from tandem.engine.adaptive import (
+    STALE,
+    AdaptivePolicy,
+    CostModel,
+    choose_drafts,
+    expected_tokens,
+    forced_extension,
+)
 from tandem.llm import LLM, chat_prompt_ids
 from tandem.models.base import DraftProposal
 
 # ------------------------------------------------------------------ the policy
 
 
-def objective(counts, rates, cost, draft_cost):
+def objective(counts, rates, cost, draft_cost, overhead=0.0):
     """Expected tokens per second of a step where row b verifies counts[b] drafts; the draft runs as many passes
-    as the most any row drafts (with none, `draft_cost(0)`)."""
+    as the most any row drafts (with none, `draft_cost(0)`); `overhead`: the step's other seconds."""
     tokens = sum(expected_tokens(a, j) for a, j in zip(rates, counts))
-    return tokens / (cost(sum(j + 1 for j in counts)) + draft_cost(max(counts)))
+    return tokens / (cost(sum(j + 1 for j in counts)) + draft_cost(max(counts)) + overhead)
 
 
 def per_pass(first: float, each: float, cache: float = 0.0):
@@ -42,17 +50,29 @@ def per_pass(first: float, each: float, cache: float = 0.0):
         CostModel([1, 4, 8], [1.0, 1.5, 5.0]),
     ],
 )
-def test_choice_maximises_expected_tokens_per_second(rates, cost, runs_anyway):
+@pytest.mark.parametrize("overhead", [0.0, 0.7])
+def test_choice_maximises_expected_tokens_per_second(rates, cost, runs_anyway, overhead):
     k_max = 3
     for first, each in ((0.0, 0.0), (0.3, 0.0), (0.2, 0.15), (0.05, 0.6)):
         draft_cost = per_pass(first, each, first if runs_anyway else 0.0)  # with no row drafting
-        chosen = choose_drafts(rates, k_max, cost, draft_cost)
-        best = max(
-            objective(c, rates, cost, draft_cost) for c in itertools.product(range(k_max + 1), repeat=len(rates))
-        )
-        assert objective(chosen, rates, cost, draft_cost) == pytest.approx(best)
-        plain = objective([0] * len(rates), rates, cost, draft_cost)
-        assert objective(chosen, rates, cost, draft_cost) >= plain - 1e-12
+        chosen = choose_drafts(rates, k_max, cost, draft_cost, overhead=overhead)
+        value = objective(chosen, rates, cost, draft_cost, overhead)
+        options = itertools.product(range(k_max + 1), repeat=len(rates))
+        assert value == pytest.approx(max(objective(c, rates, cost, draft_cost, overhead) for c in options))
+        assert value >= objective([0] * len(rates), rates, cost, draft_cost, overhead) - 1e-12
+
+
+def test_a_steps_host_overhead_makes_drafting_pay():
+    """Every step pays the host's per-step work alike: where it is a large share of a step (a GPU in graph mode),
+    a draft that does not pay against the forward alone pays against the whole step."""
+    flat = CostModel([1, 5], [1.0, 1.0])
+    draft = per_pass(0.5, 0.5)
+    assert choose_drafts([0.5], 4, flat, draft) == [0]  # 1 / 1.0 against 1.5 / 1.5
+    assert choose_drafts([0.5], 4, flat, draft, overhead=1.0) == [1]  # 1 / 2.0 against 1.5 / 2.5
+    probs, runs = [[0.5]], [2]  # a forced run of 2 after one draft: reached with probability 0.5
+    dear = CostModel([2, 4], [1.0, 2.0])
+    assert forced_extension(probs, runs, dear, 0.0, [False]) == [False]  # 1.5 / 1.0 against 2.5 / 2.0
+    assert forced_extension(probs, runs, dear, 0.0, [False], overhead=2.0) == [True]  # 1.5 / 3.0 against 2.5 / 4.0
 
 
 def test_no_acceptance_gives_no_drafts_and_near_certain_acceptance_gives_k_max():
@@ -155,6 +175,21 @@ def test_drafts_that_never_match_fall_to_plain_steps(llama_target, tokenizer, mo
     assert plain_steps >= len(step_ks) // 2, step_ks
     assert 0 in step_ks[len(step_ks) // 2 :] and step_ks[-10:].count(0) >= 5, step_ks
     assert engine.policy.chosen[0] > 0
+
+
+def test_the_policy_times_the_rest_of_a_step(llama_target, tokenizer, llama_drafts):
+    """The caller's time between steps is part of every step's period: it enters the policy's overhead (the step's
+    period less its verify's and proposal's timings), so it is at least the pause between steps, and the cost
+    points hold only the steps' own times."""
+    pause = 0.02
+    engine = Engine(llama_target, llama_drafts["ngram"], tokenizer, EngineConfig(max_num_seqs=2))
+    engine.add_request(tokenizer.encode("1 2 3 1 2 3 1 2"), SamplingParams(max_tokens=24, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        time.sleep(pause)
+    assert len(engine.policy.overheads) >= 5
+    assert pause <= engine.policy.overhead() < 10 * pause
+    assert max(engine.policy.cost.seconds) < pause
 
 
 def test_adaptive_off_keeps_fixed_k(llama_target, tokenizer, llama_drafts):

@@ -65,7 +65,8 @@ def test_speculative_greedy_equals_plain_greedy_compiled(models, name, draft, sc
     assert _generate(speculative, params) == _generate(plain, params)
     for engine in (speculative, plain):  # the steps after each prefill ran as graphs
         assert engine.runner.replays > 0 and engine.runner.fallbacks >= 1
-    assert any(key[0] == "draft" for key in speculative.runner._graphs)
+    # A free proposal runs as one graph; a grammar row's draft chooses each token on the host, step by step.
+    assert any(key[0] == ("draft" if schema else "chain") for key in speculative.runner._graphs)
 
 
 def test_a_batch_changing_bucket_stays_correct(models):
@@ -81,9 +82,10 @@ def test_a_batch_changing_bucket_stays_correct(models):
 
 @pytest.mark.parametrize("name, draft", [("demo-llama", "eagle3"), ("demo-deepseek", "mtp")])
 def test_drafts_in_graphs_are_accepted_as_eager_ones(models, name, draft):
-    """The draft's graphs propose what its eager steps do: at a fixed k (adaptive speculation off, its choices
-    follow timings) every request takes the same steps and accepts the same drafts. Greedy equality alone
-    would not see a draft that reads the wrong hidden states or cache entries: it only costs acceptance."""
+    """The draft's graphs (a proposal's chain of steps as one) propose what its eager steps do: at a fixed k
+    (adaptive speculation off, its choices follow timings) every request takes the same steps and accepts the same
+    drafts. Greedy equality alone would not see a draft that reads the wrong hidden states or cache entries: it
+    only costs acceptance."""
     params = [SamplingParams(max_tokens=MAX_TOKENS) for _ in EXAMPLES]
     stats = {}
     for mode in ("compiled", "eager"):
@@ -96,6 +98,8 @@ def test_drafts_in_graphs_are_accepted_as_eager_ones(models, name, draft):
             engine.step()
         outputs = [engine.pop_finished(request_id) for request_id in ids]
         stats[mode] = [(o.token_ids, o.stats.steps, o.stats.accepted) for o in outputs]
+        if mode == "compiled":  # (a prefill's proposal, its first step eager, chains the rest step by step)
+            assert any(key[0] == "chain" for key in engine.runner._graphs)
     assert stats["compiled"] == stats["eager"]
     assert sum(accepted for _, _, accepted in stats["eager"]) > 0
 
@@ -119,13 +123,38 @@ def test_adaptive_speculation_times_no_graph_build(models, monkeypatch):
 
 def test_a_draft_that_skipped_steps_catches_up_through_a_graph(models, monkeypatch):
     """Steps where no row drafts leave the draft behind (batching.defer_draft); the next proposal's first pass takes
-    the missed tokens too, wider than a verify's, through the graph of the widest static width."""
+    the missed tokens too, wider than a verify's, through the chain graph of the widest static width."""
     engine = _engine(models, "demo-llama", "eagle3")
     choices = itertools.cycle([[2, 1], *[[0, 0]] * 5])  # then a proposal over the 6 tokens since the last
     monkeypatch.setattr(engine.policy, "choose", lambda ids, pinned=None: next(choices)[: len(ids)])
     params = [SamplingParams(max_tokens=24) for _ in EXAMPLES]
     assert _generate(engine, params) == _generate(_engine(models, "demo-llama", None), params)
-    assert any(key[:3] == ("draft", 2, engine.max_drafts + 1) for key in engine.runner._graphs)
+    assert any(key[:3] == ("chain", 2, engine.max_drafts + 1) for key in engine.runner._graphs)
+
+
+def test_a_chain_longer_than_its_proposal_proposes_the_eager_tokens(models, monkeypatch):
+    """On CUDA every chain runs the longest proposal's steps (one graph per bucket and width), whatever a step asks:
+    a shorter proposal is the chain's first tokens, and the steps past it write cache entries the next proposal
+    rewrites. Here on the CPU, with the policy's choices cycling through 1..4 drafts, the same steps and accepted
+    drafts as eager proposals of each length."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS) for _ in EXAMPLES]
+    stats = {}
+    for mode in ("compiled", "eager"):
+        engine = _engine(models, "demo-llama", "eagle3", graph_mode=mode)
+        if engine.runner is not None:
+            engine.runner.longest_chains = True
+        choices = itertools.cycle([1, 3, 2, 4])
+        monkeypatch.setattr(engine.policy, "choose", lambda ids, pinned=None, c=choices: [next(c)] * len(ids))
+        ids = [
+            engine.add_request(chat_prompt_ids(engine.tokenizer, example.messages, example.tools), p)
+            for example, p in zip(EXAMPLES, params)
+        ]
+        while engine.has_unfinished():
+            engine.step()
+        stats[mode] = [(o.token_ids, o.stats.steps, o.stats.accepted) for o in map(engine.pop_finished, ids)]
+        if mode == "compiled":
+            assert {key[3] for key in engine.runner._graphs if key[0] == "chain"} == {engine.k}
+    assert stats["compiled"] == stats["eager"]
 
 
 def test_seeded_sampling_gives_the_eager_tokens(models):

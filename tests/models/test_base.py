@@ -44,7 +44,7 @@ def test_a_batch_rejects_spans_that_do_not_fit_its_tokens():
 
 def test_begin_forward_names_the_row_that_does_not_fit():
     cache = KVCache.allocate(1, 2, 8, (1,), dtype=torch.float32, device="cpu")
-    cache.begin_forward(ForwardBatch.from_rows([[1, 2, 3], [4]], [0, 0], [0, 1]))
+    cache.begin_forward(ForwardBatch.from_rows([[1, 2, 3], [4]], [0, 0], [0, 1]).spans)
     assert cache.lengths == [3, 1]
     for rows, starts, slots, message in [
         ([[1], []], [3, 1], [0, 1], "row 1 has no tokens"),
@@ -53,7 +53,7 @@ def test_begin_forward_names_the_row_that_does_not_fit():
         ([[1], [2] * 8], [3, 1], [0, 1], r"row 1 \(slot 1\) writes positions 1..8 .* max_len is 8"),
     ]:
         with pytest.raises(ValueError, match=message):
-            cache.begin_forward(ForwardBatch.from_rows(rows, starts, slots))
+            cache.begin_forward(ForwardBatch.from_rows(rows, starts, slots).spans)
     assert cache.lengths == [3, 1]  # a rejected batch changes nothing
     cache.truncate([1, 0], [0, 2])
     assert cache.lengths == [2, 0]

@@ -122,4 +122,4 @@ def test_rows_past_their_blocks_are_left_to_the_forwards_cache_check():
     assert len(cache.planned) == 2
     cache.lengths[0] = 6
     with pytest.raises(ValueError, match=r"row 0 \(slot 0\) writes up to position 8 but its blocks hold 8"):
-        cache.begin_forward(_batch(RowSpans([6], [3], [0])))
+        cache.begin_forward(RowSpans([6], [3], [0]))

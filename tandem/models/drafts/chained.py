@@ -31,9 +31,14 @@ def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor,
     ``hidden [T, *]`` is what ``step`` reads for the committed tokens; chained steps read the
     previous step's output at each row's last token, at the next position. Each token is the
     argmax of ``head``'s logits after ``inp.adjust`` (penalties), among the tokens
-    ``inp.constraint`` allows (lowest id among ties). Returns ``[B, k]`` int64.
+    ``inp.constraint`` allows (lowest id among ties). Returns ``[B, k]`` int64. Without constraint and
+    adjustments, ``inp.chain`` (graph mode) runs it all where it can.
     """
     batch = inp.batch
+    if inp.chain is not None and inp.constraint is None and inp.adjust is None:
+        tokens = inp.chain(batch, hidden, cache, head, k)
+        if tokens is not None:
+            return tokens
     h = step(batch, hidden, cache)[batch.last_token_indices()]
     tokens = batch.input_ids.new_empty(batch.num_rows, k)
     constraint = inp.constraint

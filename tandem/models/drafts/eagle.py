@@ -56,7 +56,7 @@ class Eagle(nn.Module):
 
     def step(self, batch: ForwardBatch, features: Tensor, cache: KVCache) -> Tensor:
         """``features [T, H]`` (target hidden or the draft's own output) -> draft output ``[T, H]``."""
-        cache.begin_forward(batch)
+        cache.begin_forward(batch.spans)
         layout = RaggedLayout.build(batch, cache)
         return self.step_layout(layout, batch.input_ids, batch.positions, features, cache.layers)
 

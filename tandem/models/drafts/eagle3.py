@@ -109,7 +109,7 @@ class Eagle3(nn.Module):
 
     def step(self, batch: ForwardBatch, hidden: Tensor, cache: KVCache) -> Tensor:
         """``hidden [T, H]`` (``fc`` output or the previous pre-norm output) -> pre-norm hidden ``[T, H]``."""
-        cache.begin_forward(batch)
+        cache.begin_forward(batch.spans)
         layout = RaggedLayout.build(batch, cache)
         return self.step_layout(layout, batch.input_ids, batch.positions, hidden, cache.layers)
 

@@ -110,7 +110,7 @@ class MultiTokenPredictor(nn.Module):
     def step(self, batch: ForwardBatch, hidden: Tensor, cache: KVCache) -> Tensor:
         """Run the MTP layer on pairs ``(hidden [T, H], batch.input_ids [T])``; returns ``g: [T, H]`` pre-norm
         (every token's on every rank: under data-parallel attention the layer attends this rank's rows only)."""
-        cache.begin_forward(batch)
+        cache.begin_forward(batch.spans)
         if self.shard.parallel and self.shard.data_parallel_attention:
             layout, positions, tokens = own_rows(self.shard, batch, cache)
         else:
