@@ -497,7 +497,8 @@ class Engine:
                     held = min(held, r.undrafted.start)
                 self.blocks.register(r.slot, r.tokens, held)
                 self.blocks.trim(r.slot, len(r.tokens))
-        if self.policy is not None and self._step_timed is not None:
+        if self.policy is not None and self._step_timed is not None and self.scheduler.running:
+            # (with no row left the engine may idle before its next step: that wait is no step's)
             self._last_step = self._step_mark, self._step_timed
         return deltas
 

@@ -190,6 +190,12 @@ def test_the_policy_times_the_rest_of_a_step(llama_target, tokenizer, llama_draf
     assert len(engine.policy.overheads) >= 5
     assert pause <= engine.policy.overhead() < 10 * pause
     assert max(engine.policy.cost.seconds) < pause
+    # An engine left idle after its last row finished: the wait before its next request's steps is no step's.
+    idle = 0.3
+    time.sleep(idle)
+    engine.add_request(tokenizer.encode("1 2 3"), SamplingParams(max_tokens=1))
+    engine.step()
+    assert max(engine.policy.overheads) < idle
 
 
 def test_adaptive_off_keeps_fixed_k(llama_target, tokenizer, llama_drafts):
