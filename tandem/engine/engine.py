@@ -648,8 +648,7 @@ class Engine:
         if self.draft_cache is not None:
             self.draft_cache.truncate(draft_ids.spans.slots, draft_ids.spans.starts)
         adjust = None if adjustments is None else adjustments.apply_after
-        if follows and self.vocab_limit < self.target.vocab_size:  # never draft a padded id
-            adjust = self._mask_padding if adjustments is None else self._padded_adjust(adjustments.apply_after)
+        padded = follows and self.vocab_limit < self.target.vocab_size  # never draft a padded id
         proposal = self._run_draft(
             DraftInput(
                 draft_ids,
@@ -657,6 +656,7 @@ class Engine:
                 histories,
                 constraint=walk,
                 adjust=adjust,
+                vocab_limit=self.vocab_limit if padded else None,
                 step=None if self.runner is None else self.runner.draft_step,
                 chain=None if self.runner is None else self.runner.draft_chain,
             ),
@@ -723,10 +723,6 @@ class Engine:
             r.draft_forced = certain(b, n)
             r.draft_probs = forced_draft_probs(None if probs is None else probs[b], r.drafts, r.draft_forced)
             r.walked_masks = self.step_masks.walked(walk, b, n)
-
-    def _padded_adjust(self, apply_after):
-        """The rows' adjustments, then the padded ids masked."""
-        return lambda logits, tokens: self._mask_padding(apply_after(logits, tokens))
 
 
 @contextlib.contextmanager

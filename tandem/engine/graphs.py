@@ -199,11 +199,18 @@ class GraphRunner:
         return _rows(out, grid)
 
     def _draft_chain(
-        self, batch: ForwardBatch, hidden: Tensor, cache: KVCache, head: Callable[[Tensor], Tensor], k: int
+        self,
+        batch: ForwardBatch,
+        hidden: Tensor,
+        cache: KVCache,
+        head: Callable[[Tensor], Tensor],
+        k: int,
+        vocab_limit: int | None = None,
     ) -> Tensor | None:
         """A chained draft's whole greedy proposal (``tandem.models.drafts.chained.propose_chained`` without
         constraint or adjustments) as one graph: its first step over ``batch`` and ``hidden [T, H]``, then ``k - 1``
-        steps of one token per row, each the argmax of ``head`` over the last one's output; ``[B, k]`` int64, or
+        steps of one token per row, each the argmax of ``head`` over the last one's output (below ``vocab_limit``,
+        None: every id); ``[B, k]`` int64, or
         None when the rows fit no bucket or ``k`` exceeds the chains the runner holds plans for. The chain may run
         further than ``k`` (:meth:`_chain_length`); its cache entries past the proposal are rewritten later."""
         shape = self._shape(batch.spans)
@@ -219,7 +226,8 @@ class GraphRunner:
         for i, spans in enumerate(chain[1:]):  # their plans' grid part (rows in order) is not needed
             self.chain_plan[i, : 3 * rows].copy_(self._plan_tensor(spans, (rows, 1), first_position)[: 3 * rows])
         extra = (self._hidden(hidden, shape, grid), self.chain_plan[: len(chain) - 1, : 3 * rows])
-        tokens = self._run(("chain", *shape, len(chain)), self._chain_body(head), chain[-1], shape, cache, extra)
+        key, body = ("chain", *shape, len(chain), vocab_limit), self._chain_body(head, vocab_limit)
+        tokens = self._run(key, body, chain[-1], shape, cache, extra)
         return tokens[: batch.num_rows, :k].clone()  # the graph's output buffer is rewritten at its next replay
 
     def _chain_length(self, spans: RowSpans, k: int, cache: KVCache) -> int:
@@ -356,8 +364,14 @@ class GraphRunner:
 
         return body
 
-    def _chain_body(self, head: Callable[[Tensor], Tensor]) -> Callable:
+    def _chain_body(self, head: Callable[[Tensor], Tensor], vocab_limit: int | None) -> Callable:
         draft = self.draft
+
+        def choose(h: Tensor) -> Tensor:  # the lowest id among ties, as the eager chain's
+            logits = head(h)
+            if vocab_limit is not None:
+                logits[:, vocab_limit:] = float("-inf")
+            return logits.argmax(dim=-1)
 
         def body(input_ids, positions, write_index, slots, tables, layers, key_start, block_size, hidden, chain_plan):
             """The first step over the grid ``[B_bucket, Q]``, each row's last token's output (its positions rise
@@ -368,7 +382,7 @@ class GraphRunner:
             last = positions.argmax(dim=1) + torch.arange(rows, device=positions.device) * positions.shape[1]
             h, tokens = out[last], []
             for plan in [*chain_plan, None]:
-                tokens.append(head(h).argmax(dim=-1))  # the lowest id among ties, as the eager chain's
+                tokens.append(choose(h))
                 if plan is not None:
                     step_positions, step_writes, step_slots = plan.view(3, rows)
                     step_tables = tables.index_select(0, step_slots)

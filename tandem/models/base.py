@@ -405,6 +405,10 @@ class LogitAdjuster(Protocol):
         ...
 
 
+# (batch, hidden [T, *], cache, head, k, vocab_limit) -> [B, k] tokens, or None: `DraftInput.chain`.
+ProposalChain = Callable[[ForwardBatch, Tensor, KVCache, Callable[[Tensor], Tensor], int, int | None], Tensor | None]
+
+
 @dataclass
 class DraftInput:
     batch: ForwardBatch  # per row: the tokens committed since the last proposal, at their positions
@@ -412,13 +416,14 @@ class DraftInput:
     history: list[Tensor] | None  # per row: all committed token ids [L_b] int64 (n-gram lookup)
     constraint: DraftConstraint | None = None  # grammar-aware drafting (None: propose freely)
     adjust: LogitAdjuster | None = None  # the rows' penalties and logit biases (None: the draft's own logits)
+    vocab_limit: int | None = None  # ids from it up are never proposed (embedding rows past the tokenizer's)
     # How a chained draft runs each of its steps, ``(batch, hidden [T, *], cache) -> [T, H]``: None is the
     # draft's own eager ``step``; graph mode passes its runner's (``tandem.engine.graphs.GraphRunner.draft_step``).
     step: Callable[[ForwardBatch, Tensor, KVCache], Tensor] | None = None
-    # A chained draft's whole greedy proposal, ``(batch, hidden [T, *], cache, head, k) -> [B, k]`` or None where it
-    # cannot: graph mode's one graph for every step (``GraphRunner.draft_chain``), for rows without constraint or
-    # adjustments (those choose each token on the host between steps). None: step by step.
-    chain: Callable[[ForwardBatch, Tensor, KVCache, Callable[[Tensor], Tensor], int], Tensor | None] | None = None
+    # A chained draft's whole greedy proposal, ``(batch, hidden [T, *], cache, head, k, vocab_limit) -> [B, k]`` or
+    # None where it cannot: graph mode's one graph for every step (``GraphRunner.draft_chain``), for rows without
+    # constraint or adjustments (those choose each token on the host between steps). None: step by step.
+    chain: ProposalChain | None = None
 
 
 @dataclass

@@ -157,6 +157,39 @@ def test_a_chain_longer_than_its_proposal_proposes_the_eager_tokens(models, monk
     assert stats["compiled"] == stats["eager"]
 
 
+def test_a_chain_never_proposes_past_the_vocabulary_limit(models):
+    """A model whose embedding rows run past its tokenizer's never drafts those ids (`Engine.vocab_limit`), through
+    the chain graph too. Here the limit is set at an id the unlimited run emits: compiled and eager take the same
+    steps and accept the same drafts, and no proposal reaches the limit."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS) for _ in EXAMPLES]
+    unlimited = _generate(_engine(models, "demo-llama", "eagle3", graph_mode="eager", adaptive=False), params)
+    limit = max(token for tokens in unlimited for token in tokens)
+    stats, proposed = {}, []
+    for mode in ("compiled", "eager"):
+        engine = _engine(models, "demo-llama", "eagle3", graph_mode=mode, adaptive=False)
+        engine.vocab_limit = limit
+        run_draft = engine._run_draft
+
+        def recorded(inp, num_tokens, run_draft=run_draft):
+            proposal = run_draft(inp, num_tokens)
+            proposed.extend(proposal.tokens.flatten().tolist())
+            return proposal
+
+        engine._run_draft = recorded
+        ids = [
+            engine.add_request(chat_prompt_ids(engine.tokenizer, example.messages, example.tools), p)
+            for example, p in zip(EXAMPLES, params)
+        ]
+        while engine.has_unfinished():
+            engine.step()
+        stats[mode] = [(o.token_ids, o.stats.steps, o.stats.accepted) for o in map(engine.pop_finished, ids)]
+        if mode == "compiled":
+            assert any(key[0] == "chain" and key[4] == limit for key in engine.runner._graphs)
+    assert stats["compiled"] == stats["eager"]
+    assert proposed and max(proposed) < limit
+    assert all(token < limit for tokens, _, _ in stats["eager"] for token in tokens)
+
+
 def test_seeded_sampling_gives_the_eager_tokens(models):
     """Same seeds, same tokens. The graphs run eager's kernels, up to the rounding of sums over the masked
     key window (about 1e-6 relative): a sample could only flip if its uniform fell that close to a

@@ -31,7 +31,7 @@ class PaddedTarget:
 
 
 class PaddedDraft:
-    """A grammar-following draft whose own logits favour the padded ids (it proposes under `adjust`)."""
+    """A grammar-following draft whose own logits favour the padded ids (it proposes below `vocab_limit`)."""
 
     hidden_kind = None
     follows_constraint = True
@@ -52,6 +52,8 @@ class PaddedDraft:
             logits[:, self.vocab_size - EXTRA :] = 5.0
             if inp.adjust is not None:
                 logits = inp.adjust(logits, tokens[:, :i])
+            if inp.vocab_limit is not None:
+                logits[:, inp.vocab_limit :] = float("-inf")
             if inp.constraint is not None:
                 logits = torch.where(inp.constraint.allowed(), logits, float("-inf"))
             tokens[:, i] = logits.argmax(dim=-1)

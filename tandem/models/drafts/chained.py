@@ -30,13 +30,13 @@ def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor,
 
     ``hidden [T, *]`` is what ``step`` reads for the committed tokens; chained steps read the
     previous step's output at each row's last token, at the next position. Each token is the
-    argmax of ``head``'s logits after ``inp.adjust`` (penalties), among the tokens
+    argmax of ``head``'s logits after ``inp.adjust`` (penalties), below ``inp.vocab_limit``, among the tokens
     ``inp.constraint`` allows (lowest id among ties). Returns ``[B, k]`` int64. Without constraint and
     adjustments, ``inp.chain`` (graph mode) runs it all where it can.
     """
     batch = inp.batch
     if inp.chain is not None and inp.constraint is None and inp.adjust is None:
-        tokens = inp.chain(batch, hidden, cache, head, k)
+        tokens = inp.chain(batch, hidden, cache, head, k, inp.vocab_limit)
         if tokens is not None:
             return tokens
     h = step(batch, hidden, cache)[batch.last_token_indices()]
@@ -46,6 +46,8 @@ def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor,
         logits = head(h)
         if inp.adjust is not None:
             logits = inp.adjust(logits, tokens[:, :i])
+        if inp.vocab_limit is not None:
+            logits[:, inp.vocab_limit :] = float("-inf")
         if constraint is not None:
             logits = torch.where(constraint.allowed(), logits, float("-inf"))
         tokens[:, i] = logits.argmax(dim=-1)
