@@ -42,15 +42,20 @@ def _engine(models, name: str, draft: str | None, **config) -> Engine:
     return Engine(target, draft_model, tokenizer, EngineConfig(**{**settings, **config}))
 
 
-def _generate(engine: Engine, params: list[SamplingParams]) -> list[list[int]]:
-    """Token ids of the demo examples, one request per params entry, all in one batch."""
+def _outcomes(engine: Engine, params: list[SamplingParams]) -> list[tuple[list[int], int, int]]:
+    """Each demo example's token ids, steps and accepted drafts, one request per params entry, all in one batch."""
     ids = [
         engine.add_request(chat_prompt_ids(engine.tokenizer, example.messages, example.tools), p)
         for example, p in zip(EXAMPLES, params)
     ]
     while engine.has_unfinished():
         engine.step()
-    return [engine.pop_finished(request_id).token_ids for request_id in ids]
+    return [(o.token_ids, o.stats.steps, o.stats.accepted) for o in map(engine.pop_finished, ids)]
+
+
+def _generate(engine: Engine, params: list[SamplingParams]) -> list[list[int]]:
+    """Token ids of the demo examples, one request per params entry, all in one batch."""
+    return [tokens for tokens, _, _ in _outcomes(engine, params)]
 
 
 @pytest.mark.parametrize("schema", [False, True], ids=["free", "schema"])
@@ -90,14 +95,7 @@ def test_drafts_in_graphs_are_accepted_as_eager_ones(models, name, draft):
     stats = {}
     for mode in ("compiled", "eager"):
         engine = _engine(models, name, draft, graph_mode=mode, adaptive=False)
-        ids = [
-            engine.add_request(chat_prompt_ids(engine.tokenizer, example.messages, example.tools), p)
-            for example, p in zip(EXAMPLES, params)
-        ]
-        while engine.has_unfinished():
-            engine.step()
-        outputs = [engine.pop_finished(request_id) for request_id in ids]
-        stats[mode] = [(o.token_ids, o.stats.steps, o.stats.accepted) for o in outputs]
+        stats[mode] = _outcomes(engine, params)
         if mode == "compiled":  # (a prefill's proposal, its first step eager, chains the rest step by step)
             assert any(key[0] == "chain" for key in engine.runner._graphs)
     assert stats["compiled"] == stats["eager"]
@@ -145,13 +143,7 @@ def test_a_chain_longer_than_its_proposal_proposes_the_eager_tokens(models, monk
             engine.runner.longest_chains = True
         choices = itertools.cycle([1, 3, 2, 4])
         monkeypatch.setattr(engine.policy, "choose", lambda ids, pinned=None, c=choices: [next(c)] * len(ids))
-        ids = [
-            engine.add_request(chat_prompt_ids(engine.tokenizer, example.messages, example.tools), p)
-            for example, p in zip(EXAMPLES, params)
-        ]
-        while engine.has_unfinished():
-            engine.step()
-        stats[mode] = [(o.token_ids, o.stats.steps, o.stats.accepted) for o in map(engine.pop_finished, ids)]
+        stats[mode] = _outcomes(engine, params)
         if mode == "compiled":
             assert {key[3] for key in engine.runner._graphs if key[0] == "chain"} == {engine.k}
     assert stats["compiled"] == stats["eager"]
@@ -176,13 +168,7 @@ def test_a_chain_never_proposes_past_the_vocabulary_limit(models):
             return proposal
 
         engine._run_draft = recorded
-        ids = [
-            engine.add_request(chat_prompt_ids(engine.tokenizer, example.messages, example.tools), p)
-            for example, p in zip(EXAMPLES, params)
-        ]
-        while engine.has_unfinished():
-            engine.step()
-        stats[mode] = [(o.token_ids, o.stats.steps, o.stats.accepted) for o in map(engine.pop_finished, ids)]
+        stats[mode] = _outcomes(engine, params)
         if mode == "compiled":
             assert any(key[0] == "chain" and key[4] == limit for key in engine.runner._graphs)
     assert stats["compiled"] == stats["eager"]
