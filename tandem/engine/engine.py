@@ -235,10 +235,9 @@ class Engine:
             cost = self._calibrate()
             self.calibration_s = time.perf_counter() - start
             self.policy = AdaptivePolicy(self.k, cost, draft_always=not self._draft_skippable)
-        # The timings of the last step that entered the policy's models: its start (`_mark`) and its seconds there
-        # (verify and proposal); the next step's start gives the rest of its period (the policy's overhead).
+        # The current (or last) step's start (`_mark`) and its seconds that entered the policy's models (verify and
+        # proposal; None: not all timed); the next step's start gives the rest of its period (the policy's overhead).
         self._step_mark, self._step_timed = self._mark(), None
-        self._last_step: tuple[tuple[float, float], float] | None = None
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -302,13 +301,11 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StreamDelta]:
         """One unified step over all running rows; returns what each touched request gained."""
-        self._step_mark = self._mark()
-        if self._last_step is not None:
-            started, timed = self._last_step
-            period = self._elapsed(started)
+        if self.policy is not None and self._step_timed is not None:
+            period = self._elapsed(self._step_mark)
             if period is not None:
-                self.policy.observe_overhead(period - timed)
-            self._last_step = None
+                self.policy.observe_overhead(period - self._step_timed)
+        self._step_mark, self._step_timed = self._mark(), None
         rows = self.scheduler.schedule()
         if not rows:
             if self.scheduler.waiting:  # only grammars still compiling: yield the CPU to their workers
@@ -497,9 +494,8 @@ class Engine:
                     held = min(held, r.undrafted.start)
                 self.blocks.register(r.slot, r.tokens, held)
                 self.blocks.trim(r.slot, len(r.tokens))
-        if self.policy is not None and self._step_timed is not None and self.scheduler.running:
-            # (with no row left the engine may idle before its next step: that wait is no step's)
-            self._last_step = self._step_mark, self._step_timed
+        if not self.scheduler.running:  # the engine may idle before its next step: that wait is no step's
+            self._step_timed = None
         return deltas
 
     def _fill_draft(self, chunked: list[Request], rows: list[Request], out, batch: ForwardBatch) -> None:

@@ -143,6 +143,7 @@ class GraphRunner:
         self.draft_step = self._draft_step if chained else None  # DraftInput.step: None keeps the draft's own
         # DraftInput.chain: a whole proposal in one graph (not over ranks: theirs follow the driver pass by pass)
         self.draft_chain = self._draft_chain if chained and not self.data_parallel else None
+        self.max_chain = max_chain  # the longest proposal, in steps
         self.longest_chains = self.cuda  # every chain as long as the longest proposal (`_chain_length`)
         dtype = target_cache.layers[0].dtype  # the target's: its hidden states fill the draft's input buffer
         self.hidden = torch.zeros(tokens, target.hidden_size, dtype=dtype, device=self.device) if chained else None
@@ -210,11 +211,11 @@ class GraphRunner:
         """A chained draft's whole greedy proposal (``tandem.models.drafts.chained.propose_chained`` without
         constraint or adjustments) as one graph: its first step over ``batch`` and ``hidden [T, H]``, then ``k - 1``
         steps of one token per row, each the argmax of ``head`` over the last one's output (below ``vocab_limit``,
-        None: every id); ``[B, k]`` int64, or
-        None when the rows fit no bucket or ``k`` exceeds the chains the runner holds plans for. The chain may run
-        further than ``k`` (:meth:`_chain_length`); its cache entries past the proposal are rewritten later."""
+        None: every id); ``[B, k]`` int64, or None when the rows fit no bucket or ``k`` exceeds
+        :attr:`max_chain`. The chain may run further than ``k`` (:meth:`_chain_length`); its cache entries past the
+        proposal are rewritten later."""
         shape = self._shape(batch.spans)
-        if shape is None or k > len(self.chain_plan) + 1:
+        if shape is None or k > self.max_chain:
             return None
         rows, first_position = shape[0], cache.first_position
         chain = [batch.spans]
@@ -235,7 +236,7 @@ class GraphRunner:
         longest the runner holds plans for, where every row's blocks hold its positions: one graph per length would
         multiply the captures (and the steps that capture), and a step costs the device little where the host
         bounds a proposal. On the CPU every step is compute: ``k``."""
-        longest = len(self.chain_plan) + 1
+        longest = self.max_chain
         if not self.longest_chains or k == longest:
             return k
         room = [min(cache.max_len, cache.table.capacity(slot)) for slot in spans.slots]
