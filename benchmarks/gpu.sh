@@ -30,13 +30,13 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 parts=${*:-tests large_target paged_attention paged_latent graph_steps adaptive bench}
 for name in $parts; do
     case $name in
-    tests) part tests 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine/test_graphs.py \
+    tests) part tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine/test_graphs.py \
         tests/engine/test_device_reads.py tests/grammars/test_mask_pipeline.py tests/core/test_transfer.py ;;
     graph_steps) part graph_steps 60 python3 benchmarks/graph_steps.py --graph-mode compiled --steps 24 --warmup 24 \
         --host-profile "$out/host_profile.txt" ;;
     large_target) part large_target 110 python3 benchmarks/large_target.py ;;
     adaptive) part adaptive 90 python3 benchmarks/adaptive.py --device cuda --dtype bfloat16 --graph-mode compiled ;;
-    bench) part bench 150 python3 -m tandem.cli bench --device cuda --dtype bfloat16 --graph-mode compiled \
+    bench) part bench 180 python3 -m tandem.cli bench --device cuda --dtype bfloat16 --graph-mode compiled \
         --drafts eagle3 mtp --k 4 --batch 1 --prompts 4 --max-tokens 64 --repeats 2 --json --progress on ;;
     paged_attention) part paged_attention 70 python3 benchmarks/paged_attention.py ;;
     paged_latent) part paged_latent 100 python3 benchmarks/paged_attention.py --mla --heads 128 --head-dim 576 \

@@ -118,6 +118,7 @@ class EngineConfig:
     closing_window: int = 64  # a grammar row this near max_tokens gets closing masks (0: never)
     graph_mode: str = "auto"  # eager | compiled | auto (engine/graphs.py)
     capture_sizes: tuple[int, ...] | None = None  # batch buckets graphs are built for (None: 1, 2, 4, .. max_num_seqs)
+    capture_at_start: bool | None = None  # build every graph at start (None: on CUDA; CPU compiles build on first use)
     eos_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS: generation_config.json's (engine/stop.py)
     max_num_batched_tokens: int | None = 2048  # tokens one step feeds; longer prefills go in chunks (None: whole)
 
@@ -179,6 +180,12 @@ class Engine:
         self.target_cache = target.new_cache(num_slots, config.max_model_len, table=table)
         self.draft_cache = None if probes[1] is None else draft.new_cache(num_slots, config.max_model_len, table=table)
         self.blocks = BlockPool(table, enable_prefix_caching=config.enable_prefix_caching, domains=domains)
+        # A model whose embedding rows are padded past the tokenizer: ids >= vocab_limit are never emitted
+        # nor drafted (`_mask_padding`, `_draft_vocab_limit`), whatever else is in the batch.
+        self.vocab_limit = min(len(tokenizer), target.vocab_size)
+        # What the target's forward returns besides logits: the hidden states the draft reads.
+        hidden_kind = None if draft is None else draft.hidden_kind
+        self._hidden_outputs = {"return_hidden": hidden_kind == "last", "return_aux": hidden_kind == "aux"}
         self.runner = None
         widths = (1, self.k + 1, self.max_drafts + 1)  # decode; verify and a draft's first pass; forced runs
         if self.graph_mode == "compiled":
@@ -191,6 +198,10 @@ class Engine:
                 capture_sizes=capture_sizes,
                 max_chain=self.k,
             )
+            # Over several ranks graphs build on first use: the ranks build theirs as they follow the driver's steps.
+            at_start = self.device.type == "cuda" if config.capture_at_start is None else config.capture_at_start
+            if at_start and workers is None:
+                self.runner.capture(**self._hidden_outputs, vocab_limit=self._draft_vocab_limit)
         if workers is not None:
             compiled = self.runner is not None
             layout = CacheLayout(
@@ -215,9 +226,6 @@ class Engine:
             config.max_num_batched_tokens,
         )
         self._ids = itertools.count()
-        # A model whose embedding rows are padded past the tokenizer: ids >= vocab_limit are never emitted
-        # nor drafted (`_mask_padding`), whatever else is in the batch.
-        self.vocab_limit = min(len(tokenizer), target.vocab_size)
         # A step where no row drafts can skip the draft: a stateless one (no cache, no hidden states) needs nothing,
         # and one that reads the target's hidden states takes the step's tokens when a row next drafts
         # (`batching.defer_draft`), unless the ranks run it (a draft in the target's layout), each over its own
@@ -228,6 +236,11 @@ class Engine:
         # A stateless draft that copies tokens (n-gram, suffix: each row's proposal reads only its own history)
         # proposes for the rows that draft alone; at a large batch most rows may draft nothing.
         self._proposes_by_row = stateless and not draft.follows_constraint
+        # In graph mode a chained draft's whole proposal is one graph (`GraphRunner.draft_chain`; not when the ranks
+        # run the draft): grammar rows propose through it too, and the walk follows their tokens after, as it
+        # follows n-gram's; drafting under the grammar runs pass by pass, each pass a read of the device.
+        on_driver = self.runner is not None and self.runner.draft_chain is not None and not on_ranks
+        self._follows_grammar = draft is not None and draft.follows_constraint and not on_driver
         self.policy: AdaptivePolicy | None = None
         self.calibration_s = 0.0  # seconds the cost model's measurement took at start
         if draft is not None and config.adaptive and self.k > 0:
@@ -369,6 +382,12 @@ class Engine:
         ahead = self.k if self.draft_cache is not None else 0
         return min(len(r.tokens) + len(r.drafts) + ahead, self.config.max_model_len)
 
+    @property
+    def _draft_vocab_limit(self) -> int | None:
+        """`DraftInput.vocab_limit`: where a draft that chooses its tokens must stop (None: every id is real)."""
+        padded = self.draft is not None and self.draft.follows_constraint and self.vocab_limit < self.target.vocab_size
+        return self.vocab_limit if padded else None
+
     def _mask_padding(self, logits: torch.Tensor, *_) -> torch.Tensor:
         """`logits [..., V]` with the ids past the tokenizer at -inf, in place (nothing when V fits it)."""
         if self.vocab_limit < logits.shape[-1]:
@@ -380,8 +399,8 @@ class Engine:
         in the free KV slots: decode-shaped (1 token per row) and verify-shaped (k + 1 per row), for one
         row and for as many rows as a small step holds (at most `max_num_seqs`; `CostModel` extrapolates
         past them), each the fastest of two runs after a warm-up. Runs once, before any request holds
-        a slot. In graph mode the forwards go through the runner: the cost model reads the graphs' times,
-        and the warm-up builds those shapes' graphs at start rather than at the first requests."""
+        a slot. In graph mode the forwards go through the runner and return what a step's do: the cost model
+        reads the graphs' times (where the runner did not capture at start, the warm-up builds these shapes')."""
         prefix, k = 8, self.k
         if prefix + k + 1 > self.config.max_model_len:
             prefix = 1
@@ -399,7 +418,7 @@ class Engine:
                 int64_tensor([token] * n, self.device), spans, logits_indices=int64_tensor(list(range(n)), self.device)
             )
             with torch_threads(self._threads_for(batch)):
-                logits = self._forward(batch).logits.view(num_rows, per_row, -1)
+                logits = self._forward(batch, **self._hidden_outputs).logits.view(num_rows, per_row, -1)
                 if per_row == 1:
                     sample(logits[:, 0])
                 else:
@@ -453,16 +472,11 @@ class Engine:
         prefill = any(start < len(r.tokens) - 1 for r, start in zip(rows, batch.spans.starts))
         verified = [b for b in range(len(rows)) if b not in chunked]
         full = [rows[b] for b in verified]
-        want_hidden = self.draft is not None and self.draft.hidden_kind is not None
         deltas, pending_masks = [], None
         if full:
             # [B, >= k] host: the masks cover k whatever this step verifies
             pending_masks = self.step_masks.submit(full, inputs.host_drafts)
-        out = self._forward(
-            batch,
-            return_hidden=want_hidden and self.draft.hidden_kind == "last",
-            return_aux=want_hidden and self.draft.hidden_kind == "aux",
-        )
+        out = self._forward(batch, **self._hidden_outputs)
         if full:
             logits = out.logits.view(len(rows), k + 1, -1)
             if chunked:
@@ -589,7 +603,7 @@ class Engine:
             return  # no row drafts: the next step is the plain step
         budgets = [draft_budget(r, self.max_drafts, self.config.max_model_len) for r in live]
         limits = [min(budget, self.k if keep is None else keep[b]) for b, budget in enumerate(budgets)]
-        follows = self.draft.follows_constraint
+        follows = self._follows_grammar
         walk = self.step_masks.walk(live) if follows or forcing else None
         proposed, probs = [[] for _ in live], None
         # The draft proposes as far as the row that drafts most (its first pass always, if the ranks run it).
@@ -644,7 +658,6 @@ class Engine:
         if self.draft_cache is not None:
             self.draft_cache.truncate(draft_ids.spans.slots, draft_ids.spans.starts)
         adjust = None if adjustments is None else adjustments.apply_after
-        padded = follows and self.vocab_limit < self.target.vocab_size  # never draft a padded id
         proposal = self._run_draft(
             DraftInput(
                 draft_ids,
@@ -652,7 +665,7 @@ class Engine:
                 histories,
                 constraint=walk,
                 adjust=adjust,
-                vocab_limit=self.vocab_limit if padded else None,
+                vocab_limit=self._draft_vocab_limit,
                 step=None if self.runner is None else self.runner.draft_step,
                 chain=None if self.runner is None else self.runner.draft_chain,
             ),

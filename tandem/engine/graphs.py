@@ -3,7 +3,8 @@
 A step of ``B`` rows with at most ``Q`` tokens each is padded to a bucket: ``B`` up to the next
 capture size (``EngineConfig.capture_sizes``, default 1, 2, 4, ... ``max_num_seqs``), ``Q`` up to the
 next static width (1, or ``k + 1`` for a verify and a draft's first pass over newly committed
-tokens). Each ``(bucket, width)`` gets one graph, built on first use, that reads persistent buffers
+tokens). Each ``(bucket, width)`` gets one graph, built at start (:meth:`GraphRunner.capture`) or on first use,
+that reads persistent buffers
 (token ids, positions, write indices, row slots, the draft's hidden inputs, and the caches' block
 table) which every step fills, so a graph reads the same addresses at every replay. What fills them is
 planned on the host ahead and travels in the step's staged copies (``stage_forward`` with the verify
@@ -47,6 +48,7 @@ runs eagerly and counts in :attr:`GraphRunner.fallbacks`.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -204,13 +206,13 @@ class GraphRunner:
         batch: ForwardBatch,
         hidden: Tensor,
         cache: KVCache,
-        head: Callable[[Tensor], Tensor],
         k: int,
         vocab_limit: int | None = None,
     ) -> Tensor | None:
         """A chained draft's whole greedy proposal (``tandem.models.drafts.chained.propose_chained`` without
         constraint or adjustments) as one graph: its first step over ``batch`` and ``hidden [T, H]``, then ``k - 1``
-        steps of one token per row, each the argmax of ``head`` over the last one's output (below ``vocab_limit``,
+        steps of one token per row, each the argmax of the draft's ``target_logits`` over the last one's output
+        (below ``vocab_limit``,
         None: every id); ``[B, k]`` int64, or None when the rows fit no bucket or ``k`` exceeds
         :attr:`max_chain`. The chain may run further than ``k`` (:meth:`_chain_length`); its cache entries past the
         proposal are rewritten later."""
@@ -227,8 +229,9 @@ class GraphRunner:
         for i, spans in enumerate(chain[1:]):  # their plans' grid part (rows in order) is not needed
             self.chain_plan[i, : 3 * rows].copy_(self._plan_tensor(spans, (rows, 1), first_position)[: 3 * rows])
         extra = (self._hidden(hidden, shape, grid), self.chain_plan[: len(chain) - 1, : 3 * rows])
-        key, body = ("chain", *shape, len(chain), vocab_limit), self._chain_body(head, vocab_limit)
-        tokens = self._run(key, body, chain[-1], shape, cache, extra)
+        tokens = self._run(
+            ("chain", *shape, len(chain), vocab_limit), self._chain_body(vocab_limit), chain[-1], shape, cache, extra
+        )
         return tokens[: batch.num_rows, :k].clone()  # the graph's output buffer is rewritten at its next replay
 
     def _chain_length(self, spans: RowSpans, k: int, cache: KVCache) -> int:
@@ -250,6 +253,45 @@ class GraphRunner:
         else:
             inputs[grid] = hidden.to(inputs.dtype)
         return inputs
+
+    # ---------------------------------------------------------------- at start
+    def capture(self, *, return_hidden: bool = False, return_aux: bool = False, vocab_limit: int | None = None) -> int:
+        """Build ahead, before any request, the graphs a step replays (as vLLM captures at start), so that none is
+        built while requests wait: at every bucket and width the target's forward (returning the hidden states
+        the draft reads: ``return_hidden``, ``return_aux``) and a chained draft's step and whole proposal (its
+        longest chain, below ``vocab_limit``). They run over padding rows meanwhile (the scratch slot's block).
+        Returns how many graphs were built.
+
+        On the CPU a graph is also specialised to the torch threads it runs with: these are built with the
+        current ones, so steps that run with others (``EngineConfig.small_step_threads``) build theirs later."""
+        built = len(self._graphs)
+        for shape in itertools.product(self.buckets, self.widths):
+            rows, width = shape
+            self._load_padding(shape, self.target_cache.first_position)
+            padding = self._padding_spans(self.target_cache)
+            body = self._target_body(return_hidden, return_aux)
+            self._run(("target", *shape, return_hidden, return_aux), body, padding, shape, self.target_cache, ())
+            if self.draft_step is None:
+                continue
+            cache, hidden = self.draft_cache, self.hidden[: rows * width]
+            self._load_padding(shape, cache.first_position)
+            padding = self._padding_spans(cache)
+            self._run(("draft", *shape), self._draft_body(), padding, shape, cache, (hidden,))
+            if self.draft_chain is not None:
+                plans = self.chain_plan[: self.max_chain - 1, : 3 * rows]
+                plans.copy_(torch.tensor(self._plan(RowSpans([], [], []), (rows, 1), cache.first_position)))
+                key, body = ("chain", *shape, self.max_chain, vocab_limit), self._chain_body(vocab_limit)
+                self._run(key, body, padding, shape, cache, (hidden, plans))
+        return len(self._graphs) - built
+
+    def _load_padding(self, shape: tuple[int, int], first_position: int) -> None:
+        """Fill the buffers with a step of padding rows only: each reads and writes the scratch slot's block."""
+        plan = self._plan(RowSpans([], [], []), shape, first_position)
+        self.plan[: len(plan)].copy_(torch.tensor(plan))
+
+    def _padding_spans(self, cache: KVCache) -> RowSpans:
+        """A padding row's span, which sets a compiled CPU graph's key window (:meth:`_run`): its one position."""
+        return RowSpans([cache.first_position], [1], [self.scratch])
 
     # ---------------------------------------------------------------- host planning
     def stage_forward(self, spans: RowSpans, staging: Staging) -> None:
@@ -365,11 +407,11 @@ class GraphRunner:
 
         return body
 
-    def _chain_body(self, head: Callable[[Tensor], Tensor], vocab_limit: int | None) -> Callable:
+    def _chain_body(self, vocab_limit: int | None) -> Callable:
         draft = self.draft
 
         def choose(h: Tensor) -> Tensor:  # the lowest id among ties, as the eager chain's
-            logits = head(h)
+            logits = draft.target_logits(h)
             if vocab_limit is not None:
                 logits[:, vocab_limit:] = float("-inf")
             return logits.argmax(dim=-1)

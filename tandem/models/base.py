@@ -405,8 +405,8 @@ class LogitAdjuster(Protocol):
         ...
 
 
-# (batch, hidden [T, *], cache, head, k, vocab_limit) -> [B, k] tokens, or None: `DraftInput.chain`.
-ProposalChain = Callable[[ForwardBatch, Tensor, KVCache, Callable[[Tensor], Tensor], int, int | None], Tensor | None]
+# (batch, hidden [T, *], cache, k, vocab_limit) -> [B, k] tokens, or None: `DraftInput.chain`.
+ProposalChain = Callable[[ForwardBatch, Tensor, KVCache, int, int | None], Tensor | None]
 
 
 @dataclass
@@ -420,9 +420,10 @@ class DraftInput:
     # How a chained draft runs each of its steps, ``(batch, hidden [T, *], cache) -> [T, H]``: None is the
     # draft's own eager ``step``; graph mode passes its runner's (``tandem.engine.graphs.GraphRunner.draft_step``).
     step: Callable[[ForwardBatch, Tensor, KVCache], Tensor] | None = None
-    # A chained draft's whole greedy proposal, ``(batch, hidden [T, *], cache, head, k, vocab_limit) -> [B, k]`` or
-    # None where it cannot: graph mode's one graph for every step (``GraphRunner.draft_chain``), for rows without
-    # constraint or adjustments (those choose each token on the host between steps). None: step by step.
+    # A chained draft's whole greedy proposal, ``(batch, hidden [T, *], cache, k, vocab_limit) -> [B, k]`` or None
+    # where it cannot: graph mode's one graph for every step (``GraphRunner.draft_chain``, over the draft's
+    # ``target_logits``), for rows without constraint or adjustments (those choose each token on the host between
+    # steps). None: step by step.
     chain: ProposalChain | None = None
 
 

@@ -70,8 +70,8 @@ def test_speculative_greedy_equals_plain_greedy_compiled(models, name, draft, sc
     assert _generate(speculative, params) == _generate(plain, params)
     for engine in (speculative, plain):  # the steps after each prefill ran as graphs
         assert engine.runner.replays > 0 and engine.runner.fallbacks >= 1
-    # A free proposal runs as one graph; a grammar row's draft chooses each token on the host, step by step.
-    assert any(key[0] == ("draft" if schema else "chain") for key in speculative.runner._graphs)
+    # A proposal runs as one graph, a grammar row's too (the walk follows its tokens after).
+    assert any(key[0] == "chain" for key in speculative.runner._graphs)
 
 
 def test_a_batch_changing_bucket_stays_correct(models):
@@ -176,6 +176,27 @@ def test_a_chain_never_proposes_past_the_vocabulary_limit(models):
     assert all(token < limit for tokens, _, _ in stats["eager"] for token in tokens)
 
 
+@pytest.mark.parametrize("name, draft", [("demo-llama", "eagle3"), ("demo-deepseek", "mtp")])
+def test_graphs_built_at_start_serve_every_step(models, name, draft):
+    """`capture_at_start` (CUDA's default) builds before any request the target's forward, the draft's step and its
+    chain at every bucket and width: a run of free and schema rows then builds none, and gives eager's tokens. The
+    CPU keys graphs by torch threads too, so every step here runs with torch's setting. Free and schema rows propose
+    through the chain; rows with penalties step by step (a batch with one chooses every row's tokens on the host)."""
+    free = [SamplingParams(max_tokens=MAX_TOKENS) for _ in EXAMPLES]
+    schema = [SamplingParams(max_tokens=MAX_TOKENS, json_schema=TASK_FAMILIES[e.family].schema) for e in EXAMPLES]
+    penalised = [SamplingParams(max_tokens=MAX_TOKENS, presence_penalty=0.5) for _ in EXAMPLES]
+    settings = dict(adaptive=False, small_step_threads=None)  # fixed k: every chain is the longest
+    engine = _engine(models, name, draft, capture_at_start=True, **settings)
+    built = set(engine.runner._graphs)
+    assert {key[:3] for key in built} == {
+        (kind, 2, width) for kind in ("target", "draft", "chain") for width in engine.runner.widths
+    }
+    eager = _engine(models, name, draft, graph_mode="eager", **settings)
+    for params in (free, schema, penalised):
+        assert _generate(engine, params) == _generate(eager, params)
+    assert set(engine.runner._graphs) == built and engine.runner.replays > 0
+
+
 def test_seeded_sampling_gives_the_eager_tokens(models):
     """Same seeds, same tokens. The graphs run eager's kernels, up to the rounding of sums over the masked
     key window (about 1e-6 relative): a sample could only flip if its uniform fell that close to a
@@ -219,15 +240,18 @@ def _cuda_llm(name: str, draft: str | None, dtype: torch.dtype, mode: str, **set
 @needs_cuda
 @pytest.mark.parametrize("name, draft, dtype", GPU_PAIRS)
 def test_cuda_graphs_replay_the_eager_tokens_across_buckets(name, draft, dtype):
-    """Captured and replayed through a bucket change (two rows, then one), a speculative run gives the plain
-    captured run's greedy tokens, and in float32 the eager run's."""
+    """Captured at start and replayed through a bucket change (two rows, then one), a speculative run gives the plain
+    captured run's greedy tokens, and in float32 the eager run's; the run builds no graph (adaptive speculation's
+    shorter proposals run the longest chain)."""
     params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=32)]
     outputs = {}
     for mode, drafted in (("eager", draft), ("compiled", draft), ("compiled", None)):
         engine = _cuda_llm(name, drafted, dtype, mode).engine
+        captured = None if engine.runner is None else set(engine.runner._graphs)
         outputs[mode, drafted] = _generate(engine, params)
         if mode == "compiled":
-            assert {key[1] for key in engine.runner._graphs} == {1, 2} and engine.runner.graph_bytes > 0
+            assert {key[1] for key in captured} == {1, 2} and engine.runner.graph_bytes > 0
+            assert set(engine.runner._graphs) == captured
     assert outputs["compiled", draft] == outputs["compiled", None]
     if dtype == torch.float32:
         assert outputs["compiled", draft] == outputs["eager", draft]

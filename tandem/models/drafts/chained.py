@@ -32,11 +32,12 @@ def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor,
     previous step's output at each row's last token, at the next position. Each token is the
     argmax of ``head``'s logits after ``inp.adjust`` (penalties), below ``inp.vocab_limit``, among the tokens
     ``inp.constraint`` allows (lowest id among ties). Returns ``[B, k]`` int64. Without constraint and
-    adjustments, ``inp.chain`` (graph mode) runs it all where it can.
+    adjustments, ``inp.chain`` (graph mode) runs it all where it can, over the draft's ``target_logits``, which
+    ``head`` must be.
     """
     batch = inp.batch
     if inp.chain is not None and inp.constraint is None and inp.adjust is None:
-        tokens = inp.chain(batch, hidden, cache, head, k, inp.vocab_limit)
+        tokens = inp.chain(batch, hidden, cache, k, inp.vocab_limit)
         if tokens is not None:
             return tokens
     h = step(batch, hidden, cache)[batch.last_token_indices()]

@@ -71,11 +71,13 @@ class Eagle(nn.Module):
         """``hidden [N, H]`` draft output -> ``[N, V] float32``: the target's head, no norm."""
         return self.target_lm_head(hidden)
 
+    target_logits = logits  # what a proposal takes its argmax of (graph mode's chain reads it by this name)
+
     def propose(self, inp: DraftInput, cache: KVCache, num_tokens: int) -> DraftProposal:
         """Greedy EAGLE proposals ``tokens [B, num_tokens]``; ``probs`` None (deterministic)."""
         if inp.hidden is None:
             raise ValueError("the EAGLE draft needs DraftInput.hidden: the target's last hidden state [T, H]")
-        tokens = propose_chained(inp.step or self.step, self.logits, inp, inp.hidden, cache, num_tokens)
+        tokens = propose_chained(inp.step or self.step, self.target_logits, inp, inp.hidden, cache, num_tokens)
         return DraftProposal(tokens=tokens, probs=None)
 
 

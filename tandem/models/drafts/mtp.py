@@ -140,6 +140,8 @@ class MultiTokenPredictor(nn.Module):
         """``g: [N, H]`` pre-norm MTP output -> ``[N, V] float32``."""
         return self._lm_head(self.shared_head_norm(g))
 
+    target_logits = logits  # what a proposal takes its argmax of (graph mode's chain reads it by this name)
+
     @torch.inference_mode()
     def propose(self, inp: DraftInput, cache: KVCache, num_tokens: int) -> DraftProposal:
         """Consume the committed pairs of ``inp`` and chain ``num_tokens`` argmax proposals per row.
@@ -151,7 +153,7 @@ class MultiTokenPredictor(nn.Module):
         """
         if inp.hidden is None:
             raise ValueError("the MTP draft needs the target's hidden states (DraftInput.hidden is None)")
-        tokens = propose_chained(inp.step or self.step, self.logits, inp, inp.hidden, cache, num_tokens)
+        tokens = propose_chained(inp.step or self.step, self.target_logits, inp, inp.hidden, cache, num_tokens)
         return DraftProposal(tokens=tokens, probs=None)
 
     def load(self, take: TakeFn) -> None:
