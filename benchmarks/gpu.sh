@@ -30,7 +30,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 parts=${*:-tests large_target paged_attention paged_latent graph_steps adaptive bench}
 for name in $parts; do
     case $name in
-    tests) part tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine/test_graphs.py \
+    tests) part tests 210 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine/test_graphs.py \
         tests/engine/test_device_reads.py tests/grammars/test_mask_pipeline.py tests/core/test_transfer.py ;;
     graph_steps) part graph_steps 60 python3 benchmarks/graph_steps.py --graph-mode compiled --steps 24 --warmup 24 \
         --host-profile "$out/host_profile.txt" ;;

@@ -67,11 +67,12 @@ def verify_inputs(
     last verify position's index to fill its k + 1.
     """
     ends = ends or [None] * len(rows)
-    ids, lengths, logit_index = [], [], []
+    ids, lengths, logit_index, draft_starts = [], [], [], []
     for r, start, end in zip(rows, held, ends):
         feed = [*r.tokens[start:end], *r.drafts]
         first_logit = len(ids) + len(feed) - 1 - len(r.drafts)  # the position of t_last
         logit_index.extend(first_logit + min(j, len(r.drafts)) for j in range(k + 1))
+        draft_starts.append(first_logit + 1)
         ids.extend(feed)
         lengths.append(len(feed))
     spans = RowSpans(list(held), lengths, [r.slot for r in rows])
@@ -81,6 +82,7 @@ def verify_inputs(
     full = [rows[b] for b in verified]
     width = max([k_max, *(len(r.drafts) for r in full)])
     padded = [[*r.drafts, *[PLACEHOLDER_TOKEN_ID] * (width - len(r.drafts))] for r in full]
+    on_device = _drafts_on_device(full, [draft_starts[b] for b in verified], k, staging)
     inputs = VerifyInputs(
         batch=batch,
         verified=None if len(full) == len(rows) else staging.int64(verified),
@@ -94,7 +96,29 @@ def verify_inputs(
     elif cache is not None:
         RaggedLayout.stage(spans, cache, staging)
     staging.send()
+    for proposal, source, to_ids, to_drafts in on_device:  # the values the placeholders stood for
+        values = proposal.view(-1)[source]
+        batch.input_ids[to_ids] = values
+        inputs.drafts.view(-1)[to_drafts] = values
     return inputs
+
+
+def _drafts_on_device(
+    rows: list[Request], starts: list[int], k: int, staging: Staging
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Where the verifying ``rows``' drafts left on the device (``Request.drafts_on_device``) go: per proposal
+    tensor ``[B, w]``, the flat indices of the values in it, of their places among the batch's ids (row b's drafts
+    from ``starts[b]``) and in the ``drafts [B, k]`` tensor, staged."""
+    places: dict[int, tuple[torch.Tensor, list[int], list[int], list[int]]] = {}
+    for b, (r, start) in enumerate(zip(rows, starts)):
+        if r.drafts_on_device is None:
+            continue
+        proposal, row = r.drafts_on_device
+        _, source, to_ids, to_drafts = places.setdefault(id(proposal), (proposal, [], [], []))
+        source.extend(row * proposal.shape[1] + j for j in range(len(r.drafts)))
+        to_ids.extend(range(start, start + len(r.drafts)))
+        to_drafts.extend(range(b * k, b * k + len(r.drafts)))
+    return [(p, *(staging.int64(i) for i in indices)) for p, *indices in places.values()]
 
 
 def forced_draft_probs(probs: torch.Tensor | None, drafts: list[int], forced: list[bool]) -> torch.Tensor | None:

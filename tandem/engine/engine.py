@@ -52,16 +52,17 @@ torch's own setting. A small model's short step is op overhead, which thread han
 (a short verify of the DeepSeek demo runs faster on one thread than on two), while a prefill has
 enough work per op to spread well over several threads.
 
-Device reads: a step reads results back from the device twice, by design, each one read for
-every row: at commit (the acceptance result) and after propose (the drafts, which the next masks
-need; none when no row drafts). A grammar row's draft adds one read per drafted position (its matcher runs on the host),
-and `logprobs` one at commit. Batches carry their rows' spans as Python ints and caches keep their
-lengths on the host, so no forward reads the device back (`tests/models/test_host_planning.py`
-runs the providers on the meta device to hold that), and every host-to-device copy goes through
-pinned memory without waiting (`tandem.core.transfer`; `tests/engine/test_device_reads.py` counts the
-reads of a step on CUDA). What the verify needs (batch, graph plan, drafts, penalties) and what the proposal
-needs each travel in one staged copy (`batching`; sampling tables too), so a step copies to the device twice,
-greedy or sampled (`tests/engine/test_step_copies.py` counts them).
+Device reads: a step reads results back from the device once, by design, one read for every row: at commit
+(the acceptance result). A chained draft's proposal stays on the device (`Request.drafts_on_device`: the next verify
+takes the values there) unless host work reads it: a grammar row's walk, or the thinking phases relaxed acceptance
+reads; then the drafts are a second read after propose. Drafting under the grammar pass by pass (eager mode) adds one
+read per drafted position (its matcher runs on the host), and `logprobs` one at commit. Batches carry their rows'
+spans as Python ints and caches keep their lengths on the host, so no forward reads the device back
+(`tests/models/test_host_planning.py` runs the providers on the meta device to hold that), and every host-to-device
+copy goes through pinned memory without waiting (`tandem.core.transfer`; `tests/engine/test_device_reads.py` counts
+the reads of a step on CUDA). What the verify needs (batch, graph plan, drafts, penalties) and what the proposal needs
+each travel in one staged copy (`batching`; sampling tables too), so a step copies to the device twice, greedy or
+sampled (`tests/engine/test_step_copies.py` counts them).
 """
 
 from __future__ import annotations
@@ -619,7 +620,11 @@ class Engine:
                         rows_index = torch.tensor(drafting, device=probs.device)
                         probs = probs.new_zeros(len(live), *probs.shape[1:]).index_copy_(0, rows_index, probs)
             elif run_draft:
-                proposed, probs = self._draft_proposal(live, rows, out, batch, walk if follows else None, passes)
+                # Drafts no host work reads (no walk; no thinking phases to find in them) stay on the device.
+                read = walk is not None or self.step_masks.reads_drafts
+                proposed, probs = self._draft_proposal(
+                    live, rows, out, batch, walk if follows else None, passes, read=read
+                )
             if forcing and follows and run_draft:  # the draft walked its tokens: go on with forced ones
                 walk.extend_forced([min(m, n) for m, n in zip(limits, walk.lengths)], budgets)
             elif forcing:
@@ -637,9 +642,12 @@ class Engine:
         batch: ForwardBatch,
         walk: MaskWalk | None,
         passes: int,
-    ) -> tuple[list[list[int]], torch.Tensor | None]:
+        *,
+        read: bool = True,
+    ) -> tuple[list[list[int]] | torch.Tensor, torch.Tensor | None]:
         """The draft's proposal of `passes` tokens for the live rows under `walk` (None: free): tokens [B][passes]
-        (read to the host) and probs [B, passes, V] (None: deterministic)."""
+        read to the host (or, without `read`, a deterministic draft's [B, passes] left on the device) and probs
+        [B, passes, V] (None: deterministic)."""
         mark = self._mark()
         catching_up = any(r.undrafted is not None for r in live)  # a wider first pass: no proposal's usual time
         hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
@@ -671,7 +679,8 @@ class Engine:
             ),
             passes,
         )
-        proposed = proposal.tokens.tolist()  # one read of the device for every row
+        on_device = not read and proposal.probs is None
+        proposed = proposal.tokens if on_device else proposal.tokens.tolist()  # one read of the device for every row
         seconds = None if catching_up else self._elapsed(mark)
         if self._adaptive() and seconds is not None:
             self.policy.observe_draft_time(seconds, passes)
@@ -688,7 +697,7 @@ class Engine:
     def _choose_drafts(
         self,
         live: list[Request],
-        proposed: list[list[int]],
+        proposed: list[list[int]] | torch.Tensor,
         probs: torch.Tensor | None,
         limits: list[int],
         budgets: list[int],
@@ -701,8 +710,12 @@ class Engine:
         `budgets[b]`, where adaptive speculation finds that the run pays (always otherwise). `passes`: the draft's
         passes this step (0: it did not run)."""
         prefixes, runs = [], []
+        on_device = isinstance(proposed, torch.Tensor)  # [B, passes]: every row's whole proposal
         for b in range(len(live)):
-            if forcing:
+            if on_device:
+                prefixes.append(min(limits[b], proposed.shape[1]))
+                runs.append(0)
+            elif forcing:
                 prefixes.append(min(limits[b], walk.lengths[b]))
                 runs.append(min(walk.forced_run(b, prefixes[b]), min(walk.lengths[b], budgets[b]) - prefixes[b]))
             else:
@@ -728,7 +741,10 @@ class Engine:
             r.asked_drafts = limits[b]
             r.forced_run = runs[b] if verify_runs[b] else 0
             n = prefixes[b] + r.forced_run
-            r.drafts = walk.path(b)[:n] if forcing else proposed[b][:n]
+            if on_device:
+                r.drafts, r.drafts_on_device = [PLACEHOLDER_TOKEN_ID] * n, (proposed, b) if n else None
+            else:
+                r.drafts = walk.path(b)[:n] if forcing else proposed[b][:n]
             r.draft_forced = certain(b, n)
             r.draft_probs = forced_draft_probs(None if probs is None else probs[b], r.drafts, r.draft_forced)
             r.walked_masks = self.step_masks.walked(walk, b, n)

@@ -47,7 +47,6 @@ runs eagerly and counts in :attr:`GraphRunner.fallbacks`.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 import time
@@ -265,7 +264,8 @@ class GraphRunner:
         On the CPU a graph is also specialised to the torch threads it runs with: these are built with the
         current ones, so steps that run with others (``EngineConfig.small_step_threads``) build theirs later."""
         built = len(self._graphs)
-        for shape in itertools.product(self.buckets, self.widths):
+        # The largest first, as vLLM captures: a smaller graph's capture reuses the pool memory a larger one freed.
+        for shape in itertools.product(reversed(self.buckets), reversed(self.widths)):
             rows, width = shape
             self._load_padding(shape, self.target_cache.first_position)
             padding = self._padding_spans(self.target_cache)
@@ -513,8 +513,8 @@ class GraphRunner:
             body(*args)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         # Capture starts by releasing the allocator's unused cache (an earlier engine's freed memory, say), which
-        # would come off the pool's growth: release it first.
-        gc.collect()
+        # would come off the pool's growth: release it first. (No garbage collection here: with a large heap one costs
+        # more than a capture.)
         torch.cuda.empty_cache()
         graph, reserved = torch.cuda.CUDAGraph(), torch.cuda.memory_reserved(self.device)
         with torch.cuda.graph(graph, pool=self._pool):

@@ -58,6 +58,11 @@ class StepMasks:
         self._walk_bitmask = torch.zeros(max_rows, k + 1, masker.width, dtype=torch.int32)
         self._walk_thinking = torch.zeros(max_rows, k + 1, dtype=torch.bool)
 
+    @property
+    def reads_drafts(self) -> bool:
+        """Whether every step's masks read its drafts' values, grammar or not: the thinking phases they enter."""
+        return self.relaxed and self.thinking_markers
+
     def has_grammar(self, rows: list[Request]) -> bool:
         return any(self.masker.has_grammar(r.request_id) for r in rows)
 
@@ -65,7 +70,7 @@ class StepMasks:
         """Start building this step's masks (drafts [B, w] CPU, w <= k: the masks are [B, w+1, W]);
         None when no row has a grammar and relaxed acceptance is off (or has no thinking to read)."""
         any_grammar = self.has_grammar(rows)
-        if not any_grammar and not (self.relaxed and self.thinking_markers):
+        if not any_grammar and not self.reads_drafts:
             return None
         if all(r.walked_masks is not None for r in rows):  # built while drafting: `fill` is that same walk
             positions = drafts.shape[1] + 1

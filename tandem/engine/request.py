@@ -43,6 +43,9 @@ class Request:
     grammar_job: CompileJob | None = None  # the request's grammar, compiling off the step loop
     tokens: list[int] = field(default_factory=list)  # prompt + committed output
     drafts: list[int] = field(default_factory=list)  # pending drafts for the next verify
+    # A chained draft's proposal left on the device, never read back: (tokens [B, passes], this row's index); `drafts`
+    # then holds only their number (placeholders), and the verify takes the values there (`verify_inputs`).
+    drafts_on_device: tuple[torch.Tensor, int] | None = None
     draft_probs: torch.Tensor | None = None  # [len(drafts), V] or None (deterministic)
     draft_forced: list[bool] = field(default_factory=list)  # per draft: forced by the grammar (accepted surely)
     forced_run: int = 0  # the last drafts: the forced run verified past the chosen ones
@@ -60,7 +63,7 @@ class Request:
     def clear_drafts(self) -> None:
         """Forget the pending drafts and what came with them (verified, or dropped by a preemption)."""
         self.drafts, self.draft_probs, self.walked_masks, self.draft_forced, self.forced_run = [], None, None, [], 0
-        self.asked_drafts = 0
+        self.asked_drafts, self.drafts_on_device = 0, None
 
 
 def validate(prompt: list[int], params: SamplingParams, *, max_model_len: int, k: int, vocab_size: int) -> None:

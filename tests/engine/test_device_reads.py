@@ -1,6 +1,7 @@
-"""On CUDA a speculative step reads the device back exactly twice (engine docstring): the
-acceptance result at commit and the drafts after propose. Any other read, or a host-to-device
-copy from pageable memory, would stall the host behind the device. Skipped without CUDA."""
+"""On CUDA a speculative step reads the device back once (engine docstring): the acceptance result at commit; a
+chained draft's proposal stays on the device for the next verify unless host work reads it (a grammar row's walk:
+then twice). Any other read, or a host-to-device copy from pageable memory, would stall the host behind the device.
+Skipped without CUDA."""
 
 import traceback
 import warnings
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.demo.corpus import generate_examples
+from tandem.demo.corpus import TASK_FAMILIES, generate_examples
 from tandem.llm import chat_prompt_ids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -44,20 +45,38 @@ def _device_reads(engine) -> list[str]:
 @pytest.mark.parametrize(
     "model, draft, dtype", [("demo-llama", "eagle3", torch.float32), ("demo-deepseek", "mtp", torch.bfloat16)]
 )
-@pytest.mark.parametrize("batch", [1, 4])
-def test_a_speculative_step_reads_the_device_twice(model, draft, dtype, batch):
-    """At a fixed k (adaptive speculation may choose no drafts: test_a_step_without_drafts_reads_the_device_once)."""
-    llm = LLM(model, draft, num_speculative_tokens=4, device="cuda", dtype=dtype, max_num_seqs=batch, adaptive=False)
+@pytest.mark.parametrize(
+    "graph_mode, schema, batch",
+    [("compiled", False, 1), ("compiled", False, 4), ("compiled", True, 4), ("eager", False, 1), ("eager", True, 1)],
+)
+def test_a_speculative_step_reads_the_device_once(model, draft, dtype, graph_mode, schema, batch):
+    """At a fixed k (adaptive speculation may choose no drafts: test_a_step_without_drafts_reads_the_device_once).
+    A schema row's step reads its drafts too, which its grammar walks: once when the draft proposes through the chain
+    graph (compiled), once per drafted position when it drafts under the grammar pass by pass (eager)."""
+    llm = LLM(
+        model,
+        draft,
+        num_speculative_tokens=4,
+        device="cuda",
+        dtype=dtype,
+        max_num_seqs=batch,
+        adaptive=False,
+        graph_mode=graph_mode,
+    )
     engine = llm.engine
     for example in generate_examples(batch, seed=3, split="heldout"):
+        schema_ = TASK_FAMILIES[example.family].schema if schema else None
         engine.add_request(
-            chat_prompt_ids(llm.tokenizer, example.messages, example.tools), SamplingParams(max_tokens=64)
+            chat_prompt_ids(llm.tokenizer, example.messages, example.tools),
+            SamplingParams(max_tokens=64, json_schema=schema_),
         )
     engine.step()  # prefill and first proposals
     engine.step()  # first speculative step: allocations and caches warm
+    # Schema: the acceptance result and the proposal, and eagerly each of the k passes' tokens the walk advances by.
+    expected = 1 if not schema else 2 if graph_mode == "compiled" else 2 + 4
     for _ in range(3):
         reads = _device_reads(engine)
-        assert len(reads) == 2, "\n".join(reads)
+        assert len(reads) == expected, "\n".join(reads)
 
 
 def test_a_step_without_drafts_reads_the_device_once(monkeypatch):
@@ -77,7 +96,7 @@ def test_a_step_without_drafts_reads_the_device_once(monkeypatch):
         assert len(reads) == 1, "\n".join(reads)
 
 
-def test_a_penalised_step_reads_the_device_twice():
+def test_a_penalised_step_reads_the_device_once():
     """Penalties and a logit bias add no read: their tables are summed on the device from the sent ids
     (`decoding.penalties.TokenTable.dense`: scatter_add_, not index_put_ with accumulate, which may synchronise), for
     the verify and for the draft that proposes under them; a sampled row's tables add none either."""
@@ -89,11 +108,11 @@ def test_a_penalised_step_reads_the_device_twice():
     ]
     for example, params in zip(generate_examples(2, seed=3, split="heldout"), penalised):
         engine.add_request(chat_prompt_ids(llm.tokenizer, example.messages, example.tools), params)
-    for _ in range(3):  # prefill, then the first speculative steps: graphs captured, caches warm
+    for _ in range(3):  # prefill, then the first speculative steps: caches warm
         engine.step()
     for _ in range(3):
         reads = _device_reads(engine)
-        assert len(reads) == 2, "\n".join(reads)
+        assert len(reads) == 1, "\n".join(reads)
 
 
 def _cudnn_kernels(run) -> list[str]:

@@ -60,6 +60,23 @@ def test_speculative_greedy_equals_plain_greedy_token_for_token(llama_target, ll
     assert sum(o.stats.drafted for o in spec) > 0
 
 
+@pytest.mark.parametrize("schema", [False, True], ids=["free", "schema"])
+def test_a_chained_proposal_stays_on_the_device_unless_a_walk_reads_it(llama_target, llama_drafts, tokenizer, schema):
+    """Free rows' drafts are never read back: the next verify takes their values from the proposal tensor
+    (`Request.drafts_on_device`; `drafts` holds placeholders) and decodes plain greedy's tokens. A grammar row's walk
+    reads its drafts: they are on the host."""
+    params = SamplingParams(max_tokens=24, json_schema={"type": "object"} if schema else None)
+    engine = Engine(llama_target, llama_drafts["eagle3"], tokenizer, EngineConfig(max_num_seqs=4, adaptive=False))
+    ids = [engine.add_request(tokenizer.encode(p, add_special_tokens=False), params) for p in PROMPTS[:4]]
+    placed = []
+    while engine.has_unfinished():
+        engine.step()
+        placed += [r.drafts_on_device is not None for r in engine.scheduler.running if r.drafts]
+    assert placed and all(placed) != schema and any(placed) != schema
+    outputs = [engine.pop_finished(i).token_ids for i in ids]
+    assert outputs == [o.token_ids for o in run(llama_target, None, tokenizer, PROMPTS[:4], params)]
+
+
 def test_ngram_drafts_are_accepted_on_repetitive_text(llama_target, llama_drafts, tokenizer):
     # The tiny random model loops quickly: prompt lookup must then get whole runs accepted. A property of
     # the draft at a fixed k: adaptive speculation, which may verify fewer where a verify costs more than
