@@ -20,6 +20,8 @@ passes, from the proposals' own timings). When no row drafts (J = 0) the draft d
 state needs nothing, and one that reads the target's hidden states takes the step's tokens when a row next
 drafts (`batching.defer_draft`; that proposal's first pass is wider, so its time enters no point of draft(J));
 over several ranks, where the ranks run such a draft, it runs its first pass anyway (J is at least 1 for it).
+A proposal left on the device (`Request.drafts_on_device`) is timed as the host launches it: the device's part
+lands in the next step's cost, whose commit waits for it, so a drafting step still pays for its proposal.
 The policy picks the ``j_b`` in 0..k_max maximising
 
     sum_b E_b(j_b) / (cost(sum_b (j_b + 1)) + draft(max_b j_b) + o)

@@ -70,13 +70,18 @@ def test_a_speculative_step_reads_the_device_once(model, draft, dtype, graph_mod
             chat_prompt_ids(llm.tokenizer, example.messages, example.tools),
             SamplingParams(max_tokens=64, json_schema=schema_),
         )
-    engine.step()  # prefill and first proposals
+    while len(engine.scheduler.running) < batch:  # grammars compile off the step loop; then prefills, first proposals
+        engine.step()
     engine.step()  # first speculative step: allocations and caches warm
     # Schema: the acceptance result and the proposal, and eagerly each of the k passes' tokens the walk advances by.
     expected = 1 if not schema else 2 if graph_mode == "compiled" else 2 + 4
+    checked = 0
     for _ in range(3):
         reads = _device_reads(engine)
-        assert len(reads) == expected, "\n".join(reads)
+        if engine.scheduler.running:  # a step that finished every row proposes nothing
+            assert len(reads) == expected, "\n".join(reads)
+            checked += 1
+    assert checked
 
 
 def test_a_step_without_drafts_reads_the_device_once(monkeypatch):
