@@ -4,9 +4,8 @@ A step of ``B`` rows with at most ``Q`` tokens each is padded to a bucket: ``B``
 capture size (``EngineConfig.capture_sizes``, default 1, 2, 4, ... ``max_num_seqs``), ``Q`` up to the
 next static width (1, or ``k + 1`` for a verify and a draft's first pass over newly committed
 tokens). Each ``(bucket, width)`` gets one graph, built at start (:meth:`GraphRunner.capture`) or on first use,
-that reads persistent buffers
-(token ids, positions, write indices, row slots, the draft's hidden inputs, and the caches' block
-table) which every step fills, so a graph reads the same addresses at every replay. What fills them is
+that reads persistent buffers (token ids, positions, write indices, row slots, the draft's hidden inputs, and the
+caches' block table) which every step fills, so a graph reads the same addresses at every replay. What fills them is
 planned on the host ahead and travels in the step's staged copies (``stage_forward`` with the verify
 batch, ``stage_draft`` with the draft's batch for all of a proposal's steps; `core.transfer.Staging`),
 so a replay copies on the device, not from the host. The body is the providers' tensor half
@@ -211,10 +210,9 @@ class GraphRunner:
         """A chained draft's whole greedy proposal (``tandem.models.drafts.chained.propose_chained`` without
         constraint or adjustments) as one graph: its first step over ``batch`` and ``hidden [T, H]``, then ``k - 1``
         steps of one token per row, each the argmax of the draft's ``target_logits`` over the last one's output
-        (below ``vocab_limit``,
-        None: every id); ``[B, k]`` int64, or None when the rows fit no bucket or ``k`` exceeds
-        :attr:`max_chain`. The chain may run further than ``k`` (:meth:`_chain_length`); its cache entries past the
-        proposal are rewritten later."""
+        (below ``vocab_limit``, None: every id); ``[B, k]`` int64, or None when the rows fit no bucket or ``k``
+        exceeds :attr:`max_chain`. The chain may run further than ``k`` (:meth:`_chain_length`); its cache entries
+        past the proposal are rewritten later."""
         shape = self._shape(batch.spans)
         if shape is None or k > self.max_chain:
             return None
@@ -254,16 +252,14 @@ class GraphRunner:
         return inputs
 
     # ---------------------------------------------------------------- at start
-    def capture(self, *, return_hidden: bool = False, return_aux: bool = False, vocab_limit: int | None = None) -> int:
+    def capture(self, *, return_hidden: bool = False, return_aux: bool = False, vocab_limit: int | None = None) -> None:
         """Build ahead, before any request, the graphs a step replays (as vLLM captures at start), so that none is
         built while requests wait: at every bucket and width the target's forward (returning the hidden states
         the draft reads: ``return_hidden``, ``return_aux``) and a chained draft's step and whole proposal (its
         longest chain, below ``vocab_limit``). They run over padding rows meanwhile (the scratch slot's block).
-        Returns how many graphs were built.
 
         On the CPU a graph is also specialised to the torch threads it runs with: these are built with the
         current ones, so steps that run with others (``EngineConfig.small_step_threads``) build theirs later."""
-        built = len(self._graphs)
         # The largest first, as vLLM captures: a smaller graph's capture reuses the pool memory a larger one freed.
         for shape in itertools.product(reversed(self.buckets), reversed(self.widths)):
             rows, width = shape
@@ -282,7 +278,6 @@ class GraphRunner:
                 plans.copy_(torch.tensor(self._plan(RowSpans([], [], []), (rows, 1), cache.first_position)))
                 key, body = ("chain", *shape, self.max_chain, vocab_limit), self._chain_body(vocab_limit)
                 self._run(key, body, padding, shape, cache, (hidden, plans))
-        return len(self._graphs) - built
 
     def _load_padding(self, shape: tuple[int, int], first_position: int) -> None:
         """Fill the buffers with a step of padding rows only: each reads and writes the scratch slot's block."""
