@@ -260,33 +260,35 @@ class GraphRunner:
 
         On the CPU a graph is also specialised to the torch threads it runs with: these are built with the
         current ones, so steps that run with others (``EngineConfig.small_step_threads``) build theirs later."""
+        target_body = self._target_body(return_hidden, return_aux)
+        draft_body = None if self.draft_step is None else self._draft_body()
+        chain_body = None if self.draft_chain is None else self._chain_body(vocab_limit)
         # The largest first, as vLLM captures: a smaller graph's capture reuses the pool memory a larger one freed.
         for shape in itertools.product(reversed(self.buckets), reversed(self.widths)):
             rows, width = shape
-            self._load_padding(shape, self.target_cache.first_position)
-            padding = self._padding_spans(self.target_cache)
-            body = self._target_body(return_hidden, return_aux)
-            self._run(("target", *shape, return_hidden, return_aux), body, padding, shape, self.target_cache, ())
-            if self.draft_step is None:
+            padding = self._load_padding(shape, self.target_cache)
+            self._run(("target", *shape, return_hidden, return_aux), target_body, padding, shape, self.target_cache, ())
+            if draft_body is None:
                 continue
             cache, hidden = self.draft_cache, self.hidden[: rows * width]
-            self._load_padding(shape, cache.first_position)
-            padding = self._padding_spans(cache)
-            self._run(("draft", *shape), self._draft_body(), padding, shape, cache, (hidden,))
-            if self.draft_chain is not None:
+            padding = self._load_padding(shape, cache)
+            self._run(("draft", *shape), draft_body, padding, shape, cache, (hidden,))
+            if chain_body is not None:
                 plans = self.chain_plan[: self.max_chain - 1, : 3 * rows]
-                plans.copy_(torch.tensor(self._plan(RowSpans([], [], []), (rows, 1), cache.first_position)))
-                key, body = ("chain", *shape, self.max_chain, vocab_limit), self._chain_body(vocab_limit)
-                self._run(key, body, padding, shape, cache, (hidden, plans))
+                plans.copy_(self._padding_plan((rows, 1), cache.first_position))
+                key = ("chain", *shape, self.max_chain, vocab_limit)
+                self._run(key, chain_body, padding, shape, cache, (hidden, plans))
 
-    def _load_padding(self, shape: tuple[int, int], first_position: int) -> None:
-        """Fill the buffers with a step of padding rows only: each reads and writes the scratch slot's block."""
-        plan = self._plan(RowSpans([], [], []), shape, first_position)
-        self.plan[: len(plan)].copy_(torch.tensor(plan))
-
-    def _padding_spans(self, cache: KVCache) -> RowSpans:
-        """A padding row's span, which sets a compiled CPU graph's key window (:meth:`_run`): its one position."""
+    def _load_padding(self, shape: tuple[int, int], cache: KVCache) -> RowSpans:
+        """Fill the buffers with a step over ``cache`` of padding rows only; returns a padding row's span, which sets a
+        compiled CPU graph's key window (:meth:`_run`): its one position."""
+        plan = self._padding_plan(shape, cache.first_position)
+        self.plan[: len(plan)].copy_(plan)
         return RowSpans([cache.first_position], [1], [self.scratch])
+
+    def _padding_plan(self, shape: tuple[int, int], first_position: int) -> Tensor:
+        """:meth:`_plan` of padding rows only (each reads and writes the scratch slot's block), on the host."""
+        return torch.tensor(self._plan(RowSpans([], [], []), shape, first_position))
 
     # ---------------------------------------------------------------- host planning
     def stage_forward(self, spans: RowSpans, staging: Staging) -> None:
