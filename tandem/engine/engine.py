@@ -96,7 +96,7 @@ from tandem.grammars.closing import Closer
 from tandem.grammars.compiler import CompileJob, GrammarCompiler
 from tandem.grammars.masks import MaskWalk, SpeculativeMasker
 from tandem.grammars.tokenizer import GrammarTokenizer
-from tandem.models.base import BlockTable, DraftInput, DraftProposal, ForwardBatch, RowSpans
+from tandem.models.base import BlockTable, DraftInput, DraftProposal, ForwardBatch, RowSpans, TargetOutput
 
 SMALL_STEP_TOKENS = 16  # a step of at most this many tokens runs on `EngineConfig.small_step_threads`
 
@@ -389,6 +389,10 @@ class Engine:
         padded = self.draft is not None and self.draft.follows_constraint and self.vocab_limit < self.target.vocab_size
         return self.vocab_limit if padded else None
 
+    def _draft_hidden(self, out: TargetOutput) -> torch.Tensor | None:
+        """The hidden states the draft reads of a target forward's output (`_hidden_outputs` asked for them)."""
+        return out.hidden if self._hidden_outputs["return_hidden"] else out.aux_hidden
+
     def _mask_padding(self, logits: torch.Tensor, *_) -> torch.Tensor:
         """`logits [..., V]` with the ids past the tokenizer at -inf, in place (nothing when V fits it)."""
         if self.vocab_limit < logits.shape[-1]:
@@ -517,7 +521,7 @@ class Engine:
         """The draft's cache over the `chunked` rows' chunks: each chunk token's successor paired with the target's
         hidden state at it, as a proposal's first pass writes them (eagerly, its one token unread), so the draft
         cache is whole when the last chunk's step proposes."""
-        hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
+        hidden_all = self._draft_hidden(out)
         draft_ids, hidden, histories, _ = draft_batch(
             chunked, rows, batch, hidden_all, self.device, cache=self.draft_cache, num_steps=1
         )
@@ -598,7 +602,7 @@ class Engine:
             keep = self.policy.choose([r.request_id for r in live], [r.params.temperature > 0 for r in live])
         run_draft = not (keep is not None and not any(keep) and self._draft_skippable)
         if not run_draft and self.draft.hidden_kind is not None:
-            defer_draft(live, rows, batch, out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden)
+            defer_draft(live, rows, batch, self._draft_hidden(out))
         forcing = self.forced_drafts and self.step_masks.has_grammar(live)
         if not run_draft and not forcing:
             return  # no row drafts: the next step is the plain step
@@ -650,7 +654,7 @@ class Engine:
         [B, passes, V] (None: deterministic)."""
         mark = self._mark()
         catching_up = any(r.undrafted is not None for r in live)  # a wider first pass: no proposal's usual time
-        hidden_all = out.hidden if self.draft.hidden_kind == "last" else out.aux_hidden
+        hidden_all = self._draft_hidden(out)
         follows = self.draft.follows_constraint
         draft_ids, hidden, histories, adjustments = draft_batch(
             live,
