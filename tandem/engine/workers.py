@@ -27,7 +27,8 @@ Processes: :meth:`Workers.start` spawns ``world_size - 1`` workers with torch.mu
 program, the others call :func:`follow`). Control messages are pickled over a gloo group of their own.
 Failure: a rank that dies, or a message or collective that waits past ``ParallelConfig.timeout_s``, ends the
 engine with :class:`WorkerError` naming the rank: its exit code, the traceback it sent, or (a spawned rank that
-stopped answering) how many of the forwards sent it finished, which each spawned rank counts in shared memory.
+stopped answering) how many of the forwards sent it finished, which every rank counts in the process group's
+store (:func:`_progress`; spawned or started by ``torchrun``, on this node or another).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import distributed_c10d
 
 from tandem.core.transfer import int64_tensor
 from tandem.models.base import (
@@ -254,6 +256,14 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _progress() -> dist.Store:
+    """Where each rank counts the forwards it finished, under its rank: the default group's store, which every rank
+    reaches (hosted by the driver, or by ``torchrun``'s agent), so the driver can name the rank behind on any node.
+    A worker sets its count to 0 before it takes a message: a store that outlives a group (``torchrun``'s) keeps
+    the counts of an earlier one."""
+    return dist.PrefixStore("tandem/forwards/", distributed_c10d._get_default_store())
+
+
 def _control_group() -> dist.ProcessGroup:
     """The gloo group control messages go over. Its timeout is long: a worker waits on it for the driver's next
     message however long the engine idles; a rank that dies still breaks it at once, and the driver bounds its
@@ -297,10 +307,10 @@ class _Ranks:
 
     running: _Ranks | None = None
 
-    def __init__(self, parallel: ParallelConfig, device: torch.device, processes, errors, progress) -> None:
+    def __init__(self, parallel: ParallelConfig, device: torch.device, processes, errors) -> None:
         self.parallel, self.device = parallel, device
         self.processes, self.errors = processes, errors
-        self.progress = progress  # per spawned rank: the forwards it finished (shared memory; None under torchrun)
+        self.progress = _progress()  # each rank's finished forwards
         self.forwards = 0  # forwards sent (or being sent)
         self.control = _control_group()
         self.engines = itertools.count()
@@ -317,19 +327,18 @@ class _Ranks:
                     f"this process runs {running.parallel} on {running.device} already: close() those LLMs first"
                 )
             return running
-        processes, errors, progress = [], None, None
+        processes, errors = [], None
         if launched():  # torchrun started every rank
             parallel.check_launch()
             dist.init_process_group(_backend(device), timeout=parallel.timeout)
         else:
             context = mp.get_context("spawn")
             errors = context.SimpleQueue()
-            progress = context.Array("q", parallel.world_size, lock=False)
             address = f"tcp://127.0.0.1:{_free_port()}"
             processes = [
                 context.Process(
                     target=_spawned_worker,
-                    args=(rank, parallel, device, address, errors, progress),
+                    args=(rank, parallel, device, address, errors),
                     name=f"tandem-rank{rank}",
                     daemon=True,
                 )
@@ -342,7 +351,7 @@ class _Ranks:
             dist.init_process_group(
                 _backend(device), init_method=address, rank=0, world_size=parallel.world_size, timeout=parallel.timeout
             )
-        cls.running = cls(parallel, device, processes, errors, progress)
+        cls.running = cls(parallel, device, processes, errors)
         return cls.running
 
     def send(self, message: Any) -> None:
@@ -358,8 +367,8 @@ class _Ranks:
             raise WorkerError(self._diagnose(error)) from error
 
     def _diagnose(self, error: BaseException) -> str:
-        """Which rank failed and how: the traceback it sent, its exit code, or (a collective that timed out) the
-        spawned ranks that did not finish every forward sent."""
+        """Which rank failed and how: the traceback it sent, its exit code (a spawned rank), or (a collective that
+        timed out) the ranks that did not finish every forward sent."""
         for process in self.processes:
             process.join(timeout=1)
         processes = enumerate(self.processes, 1)
@@ -367,17 +376,25 @@ class _Ranks:
         while self.errors is not None and not self.errors.empty():
             rank, trace = self.errors.get()
             failures.append(f"rank {rank} failed:\n{trace}")
-        if not failures and self.progress is not None:
+        if not failures:
             failures = [
-                f"rank {r} stopped answering after {self.progress[r]} of the {self.forwards} forwards sent ({error})"
-                for r in range(1, self.parallel.world_size)
-                if self.progress[r] < self.forwards
+                f"rank {r} stopped answering after {finished} of the {self.forwards} forwards sent ({error})"
+                for r, finished in self._finished().items()
+                if finished < self.forwards
             ]
         self.shutdown()
         if failures:
             return "; ".join(failures)
         timeout = self.parallel.timeout_s
         return f"a collective failed or waited past timeout_s={timeout} s with every rank alive ({error})"
+
+    def _finished(self) -> dict[int, int]:
+        """Each worker rank's finished forwards, as it counted them (:func:`_progress`); none when the store
+        cannot be read (its host is gone)."""
+        try:
+            return {r: self.progress.add(str(r), 0) for r in range(1, self.parallel.world_size)}
+        except RuntimeError:
+            return {}
 
     def shutdown(self) -> None:
         """Stop the workers (they leave their loop), wait for them and end the process group. Idempotent."""
@@ -515,7 +532,7 @@ class Workers:
 
 
 # -------------------------------------------------------------------- the worker side
-def _spawned_worker(rank, parallel, device, address, errors, progress) -> None:
+def _spawned_worker(rank, parallel, device, address, errors) -> None:
     """A spawned worker's process: join the group, then :func:`follow` until the driver stops it."""
     try:
         if device.type == "cuda":
@@ -524,7 +541,7 @@ def _spawned_worker(rank, parallel, device, address, errors, progress) -> None:
             _backend(device), init_method=address, rank=rank, world_size=parallel.world_size, timeout=parallel.timeout
         )
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.world_size))
-        follow(parallel, device, progress)
+        follow(parallel, device)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1) from None
@@ -553,14 +570,16 @@ class _Replica:
     last: tuple[RowSpans, torch.Tensor | None] | None = None
 
 
-def follow(parallel: ParallelConfig, device: torch.device | str, progress=None) -> None:
+def follow(parallel: ParallelConfig, device: torch.device | str) -> None:
     """A worker rank's loop (the process group is up): load each engine's shard, mirror its cache, run each
-    forward the driver describes (counting them in ``progress[rank]``, when given), until it sends None."""
+    forward the driver describes (counting them in :func:`_progress`), until it sends None."""
     from tandem.models.linear import narrow_exact_weights
     from tandem.models.loading import load_draft, load_target
 
     rank = dist.get_rank()
     device = _rank_device(torch.device(device), rank)
+    progress = _progress()
+    progress.set(str(rank), "0")
     control = _control_group()
     replicas: dict[int, _Replica] = {}
     while True:
@@ -605,8 +624,7 @@ def follow(parallel: ParallelConfig, device: torch.device | str, progress=None) 
             else:
                 out = _run_forward(message, replica.model, replica.cache, device)
                 replica.last = (message.spans, out.hidden)
-            if progress is not None:
-                progress[rank] += 1
+            progress.add(str(rank), 1)
     dist.destroy_process_group()
 
 

@@ -6,10 +6,16 @@ break their own ranks, and a process runs one layout of ranks at a time, so they
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,3 +101,20 @@ def test_a_worker_that_hangs_is_named_within_the_timeout():
     finally:
         os.kill(worker.pid, signal.SIGKILL)
         workers.close()
+
+
+def test_a_torchrun_rank_that_hangs_is_named_within_the_timeout(tmp_path):
+    """Under torchrun no rank is the driver's child: rank 0 names the stopped rank from the counts every rank
+    keeps in the process group's store (tests/engine/torchrun_hang.py)."""
+    from tests.engine.torchrun_hang import TIMEOUT_S
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+    program = Path(__file__).with_name("torchrun_hang.py")
+    done = subprocess.run([*launch, str(program), str(tmp_path / "pid")], capture_output=True, text=True, timeout=240)
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1, done.stderr[-4000:]
+    assert re.match(r"rank 1 stopped answering after \d+ of the \d+ forwards sent", reports[0]["error"])
+    assert reports[0]["seconds"] < TIMEOUT_S + 25
