@@ -4,7 +4,9 @@ Both targets (Llama 3 and DeepSeek-V3) at small random sizes, saved with ``save_
 loaded through ``tandem.models.load_target``. Each row first holds ``--context`` tokens; every
 timed call writes at the same positions (the cache is rolled back by truncation), so decode and
 verify see identical contexts. ``verify_over_decode`` is the cost ratio that decides whether
-speculation pays off: with acceptance length ``a``, speculation wins when ``a > ratio``.
+speculation pays off: with acceptance length ``a``, speculation wins when ``a > ratio``. At a batch above 1,
+``one_row_verify_over_decode`` is the cost of a step where one row verifies k+1 tokens and the others decode
+(adaptive speculation's mixed steps) against a decode step.
 Prints one JSON object (the last line of stdout).
 
     python benchmarks/models.py [--batch 1 8] [--k 4] [--context 256] [--min-run-time 1.0]
@@ -13,6 +15,7 @@ Prints one JSON object (the last line of stdout).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import tempfile
@@ -62,10 +65,13 @@ def bench_target(path: Path, batch: int, k: int, context: int, min_run_time: flo
     target.forward(ForwardBatch.from_rows(prompts.tolist(), [0] * batch, slots), cache)
     committed = [context] * batch
 
-    def step(num_tokens: int):
-        rows = torch.randint(target.vocab_size, (batch, num_tokens)).tolist()
-        last = [num_tokens * (b + 1) - 1 for b in range(batch)]
-        batch_ = ForwardBatch.from_rows(rows, [context] * batch, slots, logits_indices=None if num_tokens > 1 else last)
+    def step(*num_tokens: int):
+        """A forward of ``num_tokens[b]`` tokens in row b (one count: every row's)."""
+        counts = list(num_tokens) if len(num_tokens) == batch else num_tokens * batch
+        rows = [torch.randint(target.vocab_size, (n,)).tolist() for n in counts]
+        last = [n - 1 for n in itertools.accumulate(counts)]
+        decode = max(counts) == 1
+        batch_ = ForwardBatch.from_rows(rows, [context] * batch, slots, logits_indices=last if decode else None)
 
         def run():
             cache.truncate(slots, committed)
@@ -75,11 +81,17 @@ def bench_target(path: Path, batch: int, k: int, context: int, min_run_time: flo
 
     decode_ms = _median_ms(step(1), min_run_time)
     verify_ms = _median_ms(step(k + 1), min_run_time)
-    return {
+    result = {
         "decode_ms": round(decode_ms, 3),
         "verify_ms": round(verify_ms, 3),
         "verify_over_decode": round(verify_ms / decode_ms, 3),
     }
+    if batch > 1:  # one row verifying while the others decode: adaptive speculation's probe, a row's forced run
+        one_row_ms = _median_ms(step(k + 1, *[1] * (batch - 1)), min_run_time)
+        result.update(
+            one_row_verify_ms=round(one_row_ms, 3), one_row_verify_over_decode=round(one_row_ms / decode_ms, 3)
+        )
+    return result
 
 
 def main() -> None:

@@ -67,6 +67,11 @@ ATTENTION_ENV = "TANDEM_ATTENTION"
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 attention_backend = os.environ.get(ATTENTION_ENV, "auto")
 
+# The most queries per row that the CPU's torch attention folds into the query axis (RaggedLayout.attend): a verify
+# step's. The fold's mask is g times sdpa's, which a prefill's queries x keys should not grow by; a decode step (one
+# query per row) keeps sdpa's GQA, which is faster there.
+FOLD_MAX_QUERY = 16
+
 
 @functools.cache
 def _triton_available() -> bool:
@@ -305,16 +310,25 @@ class RaggedLayout:
         """Attention of ``q: [T, nh, d]`` over each row's keys in ``cache: [num_blocks, block_size, 2, nkv, d]``.
 
         Returns ``[T, nh, d]``. Query heads are grouped over key/value heads (GQA). The paged-attention kernel
-        where :func:`uses_kernel` says so (:meth:`attend_paged`), else gather + sdpa.
+        where :func:`uses_kernel` says so (:meth:`attend_paged`), else gather + sdpa; on the CPU, for a step of
+        2 to :data:`FOLD_MAX_QUERY` queries per row, sdpa over each group's queries folded into the query axis
+        (``[B, nkv, Qmax * g, d]``, as MLA folds its heads) instead of sdpa's GQA.
         """
         if uses_kernel(q):
             return self.attend_paged(q, cache[:, :, 0], cache[:, :, 1], scale)
         kv = self.addressing.gather(cache)  # [B, num_keys, 2, nkv, d]
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, nkv, num_keys, d]
-        out = sdpa(
-            self.to_grid(q).transpose(1, 2), k, v, self.attention_mask(q.dtype), scale=scale, enable_gqa=True
-        )  # [B, nh, Qmax, d]
-        return self.from_grid(out.transpose(1, 2))
+        grid = self.to_grid(q)  # [B, Qmax, nh, d]
+        num_rows, max_query, num_heads, head_dim = grid.shape
+        groups = num_heads // k.shape[1]
+        if q.device.type != "cpu" or groups == 1 or not 1 < max_query <= FOLD_MAX_QUERY:
+            out = sdpa(grid.transpose(1, 2), k, v, self.attention_mask(q.dtype), scale=scale, enable_gqa=True)
+            return self.from_grid(out.transpose(1, 2))  # from [B, nh, Qmax, d]
+        # The CPU kernel then reads each K/V head once for all its group's queries, not once per query head.
+        folded = grid.view(num_rows, max_query, -1, groups, head_dim).transpose(1, 2).flatten(2, 3)
+        out = sdpa(folded, k, v, self.attention_mask(q.dtype, groups), scale=scale)  # [B, nkv, Qmax * g, d]
+        out = out.view(num_rows, -1, max_query, groups, head_dim).transpose(1, 2)  # [B, Qmax, nkv, g, d]
+        return self.from_grid(out.reshape(num_rows, max_query, num_heads, head_dim))
 
     def attend_paged(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, scale: float) -> Tensor:
         """The paged-attention kernel's attention of ``q: [T, nh, Dk]`` over each row's keys in ``key_cache:
