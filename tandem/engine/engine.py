@@ -584,7 +584,7 @@ class Engine:
             )
             deltas.append(stream_delta(r.output, r.text, emitted, logprobs, reason))
             if reason is not None:
-                if hasattr(self.draft, "release"):  # a draft that keeps finished rows (the suffix store)
+                if self.draft is not None:
                     self.draft.release(r.slot, r.tokens)
                 self.scheduler.finish(r, reason)
                 if self.policy is not None:

@@ -440,7 +440,8 @@ HiddenKind = Literal["last", "aux", None]
 class Draft(Protocol):
     """A draft model. ``hidden_kind`` says what it reads: the target's ``hidden`` ("last"), ``aux_hidden``
     ("aux"), or nothing (None). ``follows_constraint`` says whether ``propose`` reads
-    ``DraftInput.constraint`` and ``DraftInput.adjust`` (drafts that copy tokens, like n-gram lookup, do not)."""
+    ``DraftInput.constraint`` and ``DraftInput.adjust`` (drafts that copy tokens, like n-gram lookup, do not).
+    tandem's drafts subclass it, for :meth:`release`'s default."""
 
     hidden_kind: HiddenKind
     follows_constraint: bool
@@ -457,3 +458,7 @@ class Draft(Protocol):
         caller truncates the cache to the committed length first).
         """
         ...
+
+    def release(self, slot: int, tokens: list[int]) -> None:
+        """Row ``slot`` finished with ``tokens`` (prompt and output): a draft that learns from finished rows keeps
+        them (the suffix draft's store); others have nothing to do."""

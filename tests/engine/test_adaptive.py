@@ -19,7 +19,7 @@ from tandem.engine.adaptive import (
     forced_extension,
 )
 from tandem.llm import LLM, chat_prompt_ids
-from tandem.models.base import DraftProposal
+from tandem.models.base import Draft, DraftProposal
 
 # ------------------------------------------------------------------ the policy
 
@@ -130,7 +130,7 @@ def test_a_draft_without_a_proposal_where_one_was_asked_counts_as_rejected():
 # ------------------------------------------------------------------ the engine
 
 
-class WrongDraft:
+class WrongDraft(Draft):
     """A draft that always proposes a token the target never emits here."""
 
     hidden_kind = None

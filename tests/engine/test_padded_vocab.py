@@ -8,7 +8,7 @@ import torch
 
 from tandem.decoding.params import SamplingParams
 from tandem.engine import Engine, EngineConfig
-from tandem.models.base import DraftProposal
+from tandem.models.base import Draft, DraftProposal
 
 EXTRA = 40  # padded ids past the tokenizer
 
@@ -30,7 +30,7 @@ class PaddedTarget:
         return dataclasses.replace(out, logits=torch.cat([out.logits, top + ramp], dim=-1))
 
 
-class PaddedDraft:
+class PaddedDraft(Draft):
     """A grammar-following draft whose own logits favour the padded ids (it proposes below `vocab_limit`)."""
 
     hidden_kind = None

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.models.attention import RaggedLayout
-from tandem.models.base import BlockTable, DraftInput, DraftProposal, ForwardBatch, KVCache, Target
+from tandem.models.base import BlockTable, Draft, DraftInput, DraftProposal, ForwardBatch, KVCache, Target
 from tandem.models.config import EagleConfig
 from tandem.models.drafts.chained import check_pair, propose_chained
 from tandem.models.linear import Linear
@@ -28,7 +28,7 @@ from tandem.models.loading import WeightReader, load_module
 from tandem.models.rope import Rotary
 
 
-class Eagle(nn.Module):
+class Eagle(nn.Module, Draft):
     """The EAGLE-1/2 draft (implements :class:`tandem.models.base.Draft`); reads the target's ``hidden``."""
 
     hidden_kind = "last"

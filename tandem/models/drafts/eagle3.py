@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.models.attention import RaggedLayout
-from tandem.models.base import BlockTable, DraftInput, DraftProposal, ForwardBatch, KVCache, Target
+from tandem.models.base import BlockTable, Draft, DraftInput, DraftProposal, ForwardBatch, KVCache, Target
 from tandem.models.config import Eagle3Config
 from tandem.models.drafts.chained import check_pair, propose_chained
 from tandem.models.layers import Layer
@@ -73,7 +73,7 @@ def aux_layer_ids(config: Eagle3Config, target: Target) -> tuple[int, ...] | Non
     return indices
 
 
-class Eagle3(nn.Module):
+class Eagle3(nn.Module, Draft):
     """The EAGLE-3 draft (implements :class:`tandem.models.base.Draft`); reads the target's ``aux_hidden``."""
 
     hidden_kind = "aux"

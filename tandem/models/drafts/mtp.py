@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.models.attention import RaggedLayout
-from tandem.models.base import BlockTable, DraftInput, DraftProposal, ForwardBatch, KVCache, Target
+from tandem.models.base import BlockTable, Draft, DraftInput, DraftProposal, ForwardBatch, KVCache, Target
 from tandem.models.config import DeepseekV3Config
 from tandem.models.deepseek_v3 import DecoderLayer, own_rows
 from tandem.models.drafts.chained import propose_chained
@@ -46,7 +46,7 @@ from tandem.models.parallel import SINGLE, Shard
 from tandem.models.rope import RotaryEmbedding
 
 
-class MultiTokenPredictor(nn.Module):
+class MultiTokenPredictor(nn.Module, Draft):
     """DeepSeek-V3 MTP draft (:class:`tandem.models.base.Draft`) sharing ``target``'s embedding and head.
 
     Args:

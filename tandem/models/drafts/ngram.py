@@ -15,7 +15,7 @@ from torch import Tensor
 
 from tandem.core.transfer import to_device
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
-from tandem.models.base import BlockTable, DraftInput, DraftProposal, KVCache
+from tandem.models.base import BlockTable, Draft, DraftInput, DraftProposal, KVCache
 from tandem.models.config import NgramConfig
 
 
@@ -34,7 +34,7 @@ def lookup(history: Tensor, num_tokens: int, min_ngram: int, max_ngram: int) -> 
     return out
 
 
-class NgramDraft:
+class NgramDraft(Draft):
     """Implements :class:`tandem.models.base.Draft` without a model: needs ``DraftInput.history``."""
 
     hidden_kind = None

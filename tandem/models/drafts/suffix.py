@@ -43,7 +43,7 @@ from torch import Tensor
 
 from tandem.core.transfer import to_device
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID
-from tandem.models.base import BlockTable, DraftInput, DraftProposal, KVCache
+from tandem.models.base import BlockTable, Draft, DraftInput, DraftProposal, KVCache
 from tandem.models.config import SuffixConfig
 
 
@@ -264,7 +264,7 @@ class SlotState:
     store_version: int = -1  # the store's version ``store_active`` was found in
 
 
-class SuffixDraft:
+class SuffixDraft(Draft):
     """Implements :class:`tandem.models.base.Draft` without a model: needs ``DraftInput.history``.
 
     State lives on the draft, per cache slot (``batch.spans.slots``); the engine runs one draft
