@@ -28,6 +28,14 @@ from tandem.decoding.params import SamplingTensors
 PLACEHOLDER_TOKEN_ID = -1  # no token: past the emitted one, or at a dead end
 
 
+def forbid_ids_from(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
+    """``logits [..., V]`` with the ids from ``vocab_limit`` up at -inf, in place (a model's embedding rows past its
+    tokenizer's: never emitted nor drafted); nothing when ``vocab_limit`` is None or V fits below it."""
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits[..., vocab_limit:] = float("-inf")
+    return logits
+
+
 def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply a grammar bitmask; find dead ends.
 

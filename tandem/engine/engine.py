@@ -79,7 +79,7 @@ from tandem.core.transfer import int64_tensor
 from tandem.decoding.acceptance import AcceptanceResult, accept
 from tandem.decoding.logprobs import token_logprobs
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams, SamplingTensors
-from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID, sample
+from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID, forbid_ids_from, sample
 from tandem.engine import sampling
 from tandem.engine.adaptive import AdaptivePolicy, CostModel, draft_passes
 from tandem.engine.batching import VerifyInputs, defer_draft, draft_batch, forced_draft_probs, verify_inputs
@@ -395,9 +395,7 @@ class Engine:
 
     def _mask_padding(self, logits: torch.Tensor, *_) -> torch.Tensor:
         """`logits [..., V]` with the ids past the tokenizer at -inf, in place (nothing when V fits it)."""
-        if self.vocab_limit < logits.shape[-1]:
-            logits[..., self.vocab_limit :] = float("-inf")
-        return logits
+        return forbid_ids_from(logits, self.vocab_limit)
 
     def _calibrate(self) -> CostModel:
         """The time of a verify step (target forward + acceptance) over T tokens, measured on dummy rows

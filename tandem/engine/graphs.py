@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from tandem.core.transfer import Staging
+from tandem.decoding.sampling import forbid_ids_from
 from tandem.models.attention import RaggedLayout, graph_attention
 from tandem.models.base import ForwardBatch, KVCache, RowSpans, TargetOutput
 
@@ -408,10 +409,7 @@ class GraphRunner:
         draft = self.draft
 
         def choose(h: Tensor) -> Tensor:  # the lowest id among ties, as the eager chain's
-            logits = draft.target_logits(h)
-            if vocab_limit is not None:
-                logits[:, vocab_limit:] = float("-inf")
-            return logits.argmax(dim=-1)
+            return forbid_ids_from(draft.target_logits(h), vocab_limit).argmax(dim=-1)
 
         def body(input_ids, positions, write_index, slots, tables, layers, key_start, block_size, hidden, chain_plan):
             """The first step over the grid ``[B_bucket, Q]``, each row's last token's output (its positions rise

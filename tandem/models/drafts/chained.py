@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from tandem.decoding.sampling import forbid_ids_from
 from tandem.models.base import DraftInput, ForwardBatch, KVCache, Target
 from tandem.models.config import LlamaConfig
 
@@ -47,8 +48,7 @@ def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor,
         logits = head(h)
         if inp.adjust is not None:
             logits = inp.adjust(logits, tokens[:, :i])
-        if inp.vocab_limit is not None:
-            logits[:, inp.vocab_limit :] = float("-inf")
+        forbid_ids_from(logits, inp.vocab_limit)
         if constraint is not None:
             logits = torch.where(constraint.allowed(), logits, float("-inf"))
         tokens[:, i] = logits.argmax(dim=-1)
