@@ -145,7 +145,7 @@ class GraphRunner:
         # DraftInput.chain: a whole proposal in one graph (not over ranks: theirs follow the driver pass by pass)
         self.draft_chain = self._draft_chain if chained and not self.data_parallel else None
         self.max_chain = max_chain  # the longest proposal, in steps
-        self.longest_chains = self.cuda  # every chain as long as the longest proposal (`_chain_length`)
+        self.longest_chains = self.cuda  # every chain as long as the longest proposal (`_chain`)
         dtype = target_cache.layers[0].dtype  # the target's: its hidden states fill the draft's input buffer
         self.hidden = torch.zeros(tokens, target.hidden_size, dtype=dtype, device=self.device) if chained else None
         # The plans of a chain's passes after its first: positions, write indices and slots of one token per row.
@@ -212,15 +212,13 @@ class GraphRunner:
         constraint or adjustments) as one graph: its first step over ``batch`` and ``hidden [T, H]``, then ``k - 1``
         steps of one token per row, each the argmax of the draft's ``target_logits`` over the last one's output
         (below ``vocab_limit``, None: every id); ``[B, k]`` int64, or None when the rows fit no bucket or ``k``
-        exceeds :attr:`max_chain`. The chain may run further than ``k`` (:meth:`_chain_length`); its cache entries
+        exceeds :attr:`max_chain`. The chain may run further than ``k`` (:meth:`_chain`); its cache entries
         past the proposal are rewritten later."""
         shape = self._shape(batch.spans)
         if shape is None or k > self.max_chain:
             return None
         rows, first_position = shape[0], cache.first_position
-        chain = [batch.spans]
-        for _ in range(self._chain_length(batch.spans, k, cache) - 1):
-            chain.append(chain[-1].following())
+        chain = self._chain(batch.spans, k, cache)
         for spans in chain:
             cache.begin_forward(spans)
         grid = self._load(batch, shape, first_position)
@@ -232,16 +230,21 @@ class GraphRunner:
         )
         return tokens[: batch.num_rows, :k].clone()  # the graph's output buffer is rewritten at its next replay
 
-    def _chain_length(self, spans: RowSpans, k: int, cache: KVCache) -> int:
-        """The steps of a chain for a proposal of ``k`` over ``spans``. With :attr:`longest_chains` (CUDA) the
-        longest the runner holds plans for, where every row's blocks hold its positions: one graph per length would
-        multiply the captures (and the steps that capture), and a step costs the device little where the host
-        bounds a proposal. On the CPU every step is compute: ``k``."""
-        longest = self.max_chain
-        if not self.longest_chains or k == longest:
-            return k
-        room = [min(cache.max_len, cache.table.capacity(slot)) for slot in spans.slots]
-        return longest if all(end + longest - 1 <= top for end, top in zip(spans.ends(), room)) else k
+    def _chain(self, spans: RowSpans, k: int, cache: KVCache) -> list[RowSpans]:
+        """The steps' rows of a chain for a proposal of ``k`` over ``spans``: ``spans``, then a token per row past the
+        last. ``k`` steps, or with :attr:`longest_chains` (CUDA) the longest the runner holds plans for, where every
+        row's blocks hold its positions: one graph per length would multiply the captures (and the steps that
+        capture), and a step costs the device little where the host bounds a proposal. On the CPU every step is
+        compute."""
+        steps, longest = k, self.max_chain
+        if self.longest_chains and k != longest:
+            room = [min(cache.max_len, cache.table.capacity(slot)) for slot in spans.slots]
+            if all(end + longest - 1 <= top for end, top in zip(spans.ends(), room)):
+                steps = longest
+        chain = [spans]
+        for _ in range(steps - 1):
+            chain.append(chain[-1].following())
+        return chain
 
     def _hidden(self, hidden: Tensor, shape: tuple[int, int], grid: Tensor | None) -> Tensor:
         """The draft's hidden-input buffer for ``shape``, filled with ``hidden [T, H]`` at the tokens' grid places."""
@@ -298,13 +301,11 @@ class GraphRunner:
         self._stage([spans], self.target_cache, staging)
 
     def stage_draft(self, spans: RowSpans, num_steps: int, staging: Staging) -> None:
-        """Plan ahead a chained proposal's ``num_steps`` draft steps (its chain's, :meth:`_chain_length`): the first
+        """Plan ahead a chained proposal's ``num_steps`` draft steps (its chain's, :meth:`_chain`): the first
         over ``spans``, each next one a token per row past the last (``ForwardBatch.following``), as
         :meth:`stage_forward` does."""
-        chain = [spans] if self.draft_step is not None else []  # a draft that is not chained runs no graph
-        for _ in range(self._chain_length(spans, num_steps, self.draft_cache) - 1 if chain else 0):
-            chain.append(chain[-1].following())
-        self._stage(chain, self.draft_cache, staging)
+        chained = self.draft_step is not None  # a draft that is not chained runs no graph
+        self._stage(self._chain(spans, num_steps, self.draft_cache) if chained else [], self.draft_cache, staging)
 
     def _stage(self, chain: list[RowSpans], cache: KVCache | None, staging: Staging) -> None:
         self.table.sync(staging)
