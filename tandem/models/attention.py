@@ -146,7 +146,10 @@ class BlockAddressing:
             rows, window = self.num_rows, -(-end // self.block_size)
             blocks = cache[self.first_block : self.first_block + rows * window]
             return blocks.view(rows, window * self.block_size, *cache.shape[2:])[:, start:end]
-        return cache[self.tables].flatten(1, 2)[:, start:end]
+        # One index_select of the blocks: a copy at memory speed, where indexing by the [B, nb] table is several
+        # times slower on the CPU.
+        blocks = cache.index_select(0, self.tables.flatten())  # [B * nb, block_size, ...]
+        return blocks.view(self.tables.shape[0], -1, *cache.shape[2:])[:, start:end]
 
 
 def _plan_key(spans: RowSpans, cache: KVCache) -> tuple:
