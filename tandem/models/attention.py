@@ -287,7 +287,7 @@ class RaggedLayout:
         Built by the first layer that asks and kept for the others: sdpa would convert a bool mask,
         and MLA expand it, in every layer.
         """
-        if self.visible is None:
+        if not self.masked:
             return None
         if (dtype, repeats) not in self._masks:
             visible = self.visible
