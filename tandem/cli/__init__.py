@@ -36,14 +36,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def follows_rank_zero(args: argparse.Namespace) -> bool:
     """Under ``torchrun``, a rank other than 0 of a command that loads a parallel model follows rank 0's engine
-    (which runs the command: prints, serves HTTP) until it ends; returns whether this process was such a rank."""
+    (which runs the command: prints, serves HTTP) until it ends: it runs that engine's forwards, or for a Llama
+    model's ``data_parallel_size`` an engine replica of its own; returns whether this process was such a rank."""
     if "tensor_parallel_size" not in args or os.environ.get("RANK", "0") == "0":
         return False
+    from tandem.engine.replicas import serve_replicas
     from tandem.engine.workers import ParallelConfig, follow_launcher
-    from tandem.llm import resolve_device
+    from tandem.llm import resolve_device, resolve_model
+    from tandem.models.loading import read_config
 
+    device = resolve_device(getattr(args, "device", "auto"))
+    model = args.model if "model" in args else args.models[0]
+    revision = getattr(args, "revision", None)
+    if args.data_parallel_size > 1 and read_config(resolve_model(model, revision)).get("model_type") == "llama":
+        serve_replicas(device)
+        return True
     parallel = ParallelConfig(args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel)
-    follow_launcher(parallel, resolve_device(getattr(args, "device", "auto")))
+    follow_launcher(parallel, device)
     return True
 
 

@@ -19,27 +19,39 @@ replica processes are built by a picklable ``build()`` that returns an object wi
 ``tandem.LLM`` builds replica 0, and they build side by side, so start-up takes about the slowest replica's
 time, not the sum. A replica that dies, or fails to start, ends the front end with
 :class:`~tandem.engine.workers.WorkerError` naming it, and the other replicas are stopped.
+
+Under ``torchrun`` (one node or several) the launcher starts the replicas: rank ``r`` is replica ``r`` (one
+process each: ``tensor_parallel_size`` 1). Rank 0 runs the command and the front end; it listens on a
+``multiprocessing`` connection (authenticated, its address and key published in torchrun's store) and each other
+rank connects to it and runs :func:`serve_replicas`: it builds each replica engine rank 0 sends it (the same
+picklable ``build()``, on its own device) and runs it over that connection as a spawned replica runs over its pipe.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import functools
 import itertools
+import os
+import secrets
 import signal
+import socket
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tandem.decoding.params import SamplingParams
 from tandem.engine.engine import Engine, EngineConfig
 from tandem.engine.kv_blocks import KVStats
 from tandem.engine.output import RequestOutput, StreamDelta
-from tandem.engine.workers import WorkerError, devices_here, launched
+from tandem.engine.workers import WorkerError, devices_here, launched, rank_device
 
 IDLE_WAIT_S = 0.05  # how long a step with nothing to run locally waits for the other replicas' messages
 STOP_WAIT_S = 10.0  # how long a replica may take to close its engine (and its ranks) and exit before it is ended
@@ -56,11 +68,15 @@ def replica_devices(replicas: int, tensor_parallel_size: int, device: torch.devi
     tp = tensor_parallel_size
     if replicas < 1 or tp < 1:
         raise ValueError(f"data_parallel_size {replicas} and tensor_parallel_size {tp} must be at least 1")
-    if launched():
-        raise ValueError(
-            f"data_parallel_size {replicas} for a Llama model (engine replicas) under torchrun: tandem starts the "
-            "replica processes itself; run the command in one process, or use tensor_parallel_size alone"
-        )
+    if launched():  # one process per replica, each on its own rank's device (:func:`serve_replicas`)
+        if tp > 1 or int(os.environ["WORLD_SIZE"]) != replicas:
+            raise ValueError(
+                f"data_parallel_size {replicas} x tensor_parallel_size {tp} for a Llama model under torchrun: each "
+                f"rank runs one replica of one process, so torchrun must start data_parallel_size ranks (it started "
+                f"{os.environ['WORLD_SIZE']}) and tensor_parallel_size must be 1; run tensor-parallel replicas in "
+                "one process, which starts their ranks itself"
+            )
+        return [rank_device(device, 0), *[device] * (replicas - 1)]  # the others: their own rank's
     available, what = devices_here(device)
     if device.type != "cuda":
         if replicas > available:
@@ -100,8 +116,13 @@ class ReplicaProcesses:
 
     def __init__(self, builds: list[Callable[[], Any]]) -> None:
         self.closed = False
-        context = mp.get_context("spawn")
         self.remotes: list[_Remote] = []
+        if launched():  # torchrun's ranks 1, 2, ...: each builds what it is sent (serve_replicas)
+            for index, (conn, build) in enumerate(zip(_launched_replicas(len(builds)), builds), 1):
+                self.remotes.append(_Remote(index, _LaunchedReplica(conn), conn))
+                self.send(self.remotes[-1], ("build", build))
+            return
+        context = mp.get_context("spawn")
         for index, build in enumerate(builds, 1):
             ours, theirs = context.Pipe()
             process = context.Process(target=_replica_main, args=(theirs, build), name=f"tandem-replica{index}")
@@ -166,7 +187,105 @@ class ReplicaProcesses:
         remote.process.join(timeout=1)
         self.close()
         when = "" if remote.started else " before its engine started"
+        if isinstance(remote.process, _LaunchedReplica):
+            return WorkerError(f"replica {remote.index} (torchrun's rank {remote.index}) closed its connection{when}")
         return WorkerError(f"replica {remote.index} exited with code {remote.process.exitcode}{when}")
+
+
+class _LaunchedReplica:
+    """What :class:`ReplicaProcesses` asks of a replica's process, for a rank that ``torchrun`` started (the launcher
+    owns the process): alive until it reports its engine closed, or its connection ends; terminating it closes the
+    connection, which ends the rank's :func:`serve_replicas` (a later engine of this process then fails naming it)."""
+
+    exitcode = None
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.stopped = conn, False
+
+    def is_alive(self) -> bool:
+        return not (self.stopped or self.conn.closed)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait at most ``timeout`` seconds for the rank to report its engine closed (its steps' messages before
+        that are dropped: the engine is stopping)."""
+        deadline = time.monotonic() + (timeout or 0.0)
+        while self.is_alive() and self.conn.poll(max(deadline - time.monotonic(), 0.0)):
+            try:
+                self.stopped = self.conn.recv()[0] == "stopped"
+            except (EOFError, OSError):
+                self.conn.close()
+
+    def terminate(self) -> None:
+        self.conn.close()
+
+
+# ------------------------------------------------------------------ under torchrun
+STORE_PREFIX = "tandem/replicas/"
+_LAUNCHED: list[Connection] = []  # rank 0: its connections to ranks 1, 2, ..., made once per process
+
+
+def _launch_store() -> dist.Store:
+    """torchrun's store, at ``MASTER_ADDR:MASTER_PORT``: its agent's (where it hosts one), else rank 0's."""
+    host = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and os.environ["RANK"] == "0"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=host,
+        timeout=datetime.timedelta(seconds=READY_TIMEOUT_S),
+    )
+    return dist.PrefixStore(STORE_PREFIX, store)
+
+
+def _launched_replicas(count: int) -> list[Connection]:
+    """Rank 0's connections to the ``count`` other ranks, in rank order: accepted the first time (the address and
+    key published in torchrun's store), kept for the process's later engines."""
+    closed = [rank for rank, conn in enumerate(_LAUNCHED, 1) if conn.closed]
+    if closed:
+        raise WorkerError(f"torchrun's rank {closed[0]} left when an earlier engine replica failed")
+    if len(_LAUNCHED) != count:
+        if _LAUNCHED or int(os.environ["WORLD_SIZE"]) != count + 1:
+            raise WorkerError(
+                f"{count} engine replicas besides rank 0, but torchrun's ranks are {os.environ['WORLD_SIZE']} "
+                f"({len(_LAUNCHED)} connected)"
+            )
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet: the route's own address
+            probe.connect((os.environ["MASTER_ADDR"], 9))
+            host = probe.getsockname()[0]
+        key = secrets.token_bytes(32)
+        with Listener(("0.0.0.0", 0), authkey=key) as listener:
+            store = _launch_store()
+            store.set("key", key.hex())
+            store.set("address", f"{host}:{listener.address[1]}")
+            conns = {}
+            while len(conns) < count:
+                conn = listener.accept()
+                conns[conn.recv()] = conn  # its rank
+        _LAUNCHED.extend(conns[rank] for rank in sorted(conns))
+    return list(_LAUNCHED)
+
+
+def serve_replicas(device: torch.device | str) -> None:
+    """A rank other than 0 that ``torchrun`` started for a Llama model's ``data_parallel_size``: connect to rank 0,
+    then build each replica engine it sends (on this rank's device, of ``device``'s type) and run it until rank 0
+    stops it, as a spawned replica runs; return when rank 0 closes the connection."""
+    store = _launch_store()
+    host, port = store.get("address").decode().rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(store.get("key").decode()))
+    rank = int(os.environ["RANK"])
+    conn.send(rank)
+    own = str(rank_device(torch.device(device), rank))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message[0] == "build":
+            build = message[1]
+            _replica_main(conn, functools.partial(build.func, *build.args, **build.keywords | {"device": own}))
+            try:
+                conn.send(("stopped",))
+            except OSError:  # rank 0 closed it (the engine failed): nothing more to serve
+                return
 
 
 class ReplicatedEngine:

@@ -290,7 +290,7 @@ def _wait(work: dist.Work, timeout: datetime.timedelta | None) -> None:
         work.wait(timeout)
 
 
-def _rank_device(device: torch.device, rank: int) -> torch.device:
+def rank_device(device: torch.device, rank: int) -> torch.device:
     """The device of ``rank`` on its node, ``device`` being rank 0's: under ``torchrun`` ``cuda:<local rank>``,
     else ``cuda:<rank 0's index + rank>`` (a tensor-parallel engine replica's ranks take the GPUs after its
     first); the CPU otherwise."""
@@ -536,7 +536,7 @@ def _spawned_worker(rank, parallel, device, address, errors) -> None:
     """A spawned worker's process: join the group, then :func:`follow` until the driver stops it."""
     try:
         if device.type == "cuda":
-            torch.cuda.set_device(_rank_device(device, rank))
+            torch.cuda.set_device(rank_device(device, rank))
         dist.init_process_group(
             _backend(device), init_method=address, rank=rank, world_size=parallel.world_size, timeout=parallel.timeout
         )
@@ -577,7 +577,7 @@ def follow(parallel: ParallelConfig, device: torch.device | str) -> None:
     from tandem.models.loading import load_draft, load_target
 
     rank = dist.get_rank()
-    device = _rank_device(torch.device(device), rank)
+    device = rank_device(torch.device(device), rank)
     progress = _progress()
     progress.set(str(rank), "0")
     control = _control_group()

@@ -13,6 +13,9 @@ import functools
 import json
 import multiprocessing
 import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -79,6 +82,32 @@ def test_tensor_parallel_replicas_decode_what_one_device_does(one_thread):
     assert all(out.stats.accepted for out in got["greedy"])  # on both replicas the draft ran and was verified
 
 
+def test_torchrun_ranks_run_the_replicas_and_decode_what_one_engine_does():
+    """`torchrun --nproc-per-node 2` with data_parallel_size 2: rank 1 runs replica 1
+    (tests/engine/torchrun_replicas.py), which takes half the requests, then a second engine's replica after the
+    first closed; every request's tokens are one engine's."""
+    single = {draft: _build(draft) for draft in ("eagle3", None)}
+    prompts = [single["eagle3"].chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
+    expected = {
+        draft or "plain": [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16))]
+        for draft, llm in single.items()
+    }
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+    program = Path(__file__).with_name("torchrun_replicas.py")
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*launch, str(program), json.dumps(prompts)], capture_output=True, text=True, timeout=300, env=one_thread
+    )
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and len(reports) == 1, done.stderr[-4000:]
+    for name, tokens in expected.items():
+        assert reports[0][name]["assigned"] == [2, 2]
+        assert reports[0][name]["tokens"] == tokens, name
+
+
 def test_a_layout_the_machine_cannot_run_is_refused_naming_the_setting(monkeypatch):
     with pytest.raises(ValueError, match="data_parallel_size 2 and tensor_parallel_size 0 must be at least 1"):
         replica_devices(2, 0, torch.device("cpu"))
@@ -99,8 +128,11 @@ def test_a_layout_the_machine_cannot_run_is_refused_naming_the_setting(monkeypat
         replica_devices(3, 1, torch.device("cpu"))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ValueError, match="under torchrun"):
+    with pytest.raises(ValueError, match="under torchrun: each rank runs one replica"):
         replica_devices(2, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"torchrun must start data_parallel_size ranks \(it started 4\)"):
+        replica_devices(2, 1, torch.device("cpu"))
+    assert replica_devices(4, 1, torch.device("cpu")) == [torch.device("cpu")] * 4
 
 
 def test_every_replica_takes_the_settings_and_starts_before_replica_0_loads(monkeypatch):
