@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 def follows_rank_zero(args: argparse.Namespace) -> bool:
     """Under ``torchrun``, a rank other than 0 of a command that loads a parallel model follows rank 0's engine
     (which runs the command: prints, serves HTTP) until it ends: it runs that engine's forwards, or for a Llama
-    model's ``data_parallel_size`` an engine replica of its own; returns whether this process was such a rank."""
+    model's ``data_parallel_size`` drives an engine replica of its own or runs its replica's forwards; returns
+    whether this process was such a rank."""
     if "tensor_parallel_size" not in args or os.environ.get("RANK", "0") == "0":
         return False
     from tandem.engine.replicas import serve_replicas
@@ -48,11 +49,14 @@ def follows_rank_zero(args: argparse.Namespace) -> bool:
     device = resolve_device(getattr(args, "device", "auto"))
     model = args.model if "model" in args else args.models[0]
     revision = getattr(args, "revision", None)
-    if args.data_parallel_size > 1 and read_config(resolve_model(model, revision)).get("model_type") == "llama":
-        serve_replicas(device)
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    if dp > 1 and read_config(resolve_model(model, revision)).get("model_type") == "llama":  # engine replicas
+        if int(os.environ["RANK"]) % tp == 0:  # a replica's driver
+            serve_replicas(device)
+        else:
+            follow_launcher(ParallelConfig(tp), device)
         return True
-    parallel = ParallelConfig(args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel)
-    follow_launcher(parallel, device)
+    follow_launcher(ParallelConfig(tp, dp, args.enable_expert_parallel), device)
     return True
 
 

@@ -20,17 +20,17 @@ replica processes are built by a picklable ``build()`` that returns an object wi
 time, not the sum. A replica that dies, or fails to start, ends the front end with
 :class:`~tandem.engine.workers.WorkerError` naming it, and the other replicas are stopped.
 
-Under ``torchrun`` (one node or several) the launcher starts the replicas: rank ``r`` is replica ``r`` (one
-process each: ``tensor_parallel_size`` 1). Rank 0 runs the command and the front end; it listens on a
-``multiprocessing`` connection (authenticated, its address and key published in torchrun's store) and each other
-rank connects to it and runs :func:`serve_replicas`: it builds each replica engine rank 0 sends it (the same
-picklable ``build()``, on its own device) and runs it over that connection as a spawned replica runs over its pipe.
+Under ``torchrun`` (one node or several) the launcher starts every rank: replica ``r`` is ranks ``r * tp`` to
+``r * tp + tp - 1``, its first the replica's driver, the others its workers in a process group of their own
+(``tandem.engine.workers``). Rank 0 runs the command and the front end; it listens on a ``multiprocessing``
+connection (authenticated, its address and key published in torchrun's store) and each other replica's driver
+connects to it and runs :func:`serve_replicas`: it builds each replica engine rank 0 sends it (the same picklable
+``build()``, on its own device) and runs it over that connection as a spawned replica runs over its pipe.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import itertools
 import os
@@ -51,7 +51,7 @@ from tandem.decoding.params import SamplingParams
 from tandem.engine.engine import Engine, EngineConfig
 from tandem.engine.kv_blocks import KVStats
 from tandem.engine.output import RequestOutput, StreamDelta
-from tandem.engine.workers import WorkerError, devices_here, launched, rank_device
+from tandem.engine.workers import WorkerError, devices_here, launch_store, launched, rank_device
 
 IDLE_WAIT_S = 0.05  # how long a step with nothing to run locally waits for the other replicas' messages
 STOP_WAIT_S = 10.0  # how long a replica may take to close its engine (and its ranks) and exit before it is ended
@@ -68,13 +68,11 @@ def replica_devices(replicas: int, tensor_parallel_size: int, device: torch.devi
     tp = tensor_parallel_size
     if replicas < 1 or tp < 1:
         raise ValueError(f"data_parallel_size {replicas} and tensor_parallel_size {tp} must be at least 1")
-    if launched():  # one process per replica, each on its own rank's device (:func:`serve_replicas`)
-        if tp > 1 or int(os.environ["WORLD_SIZE"]) != replicas:
+    if launched():  # replica r: ranks r * tp .. r * tp + tp - 1, each on its own device (:func:`serve_replicas`)
+        if int(os.environ["WORLD_SIZE"]) != replicas * tp:
             raise ValueError(
-                f"data_parallel_size {replicas} x tensor_parallel_size {tp} for a Llama model under torchrun: each "
-                f"rank runs one replica of one process, so torchrun must start data_parallel_size ranks (it started "
-                f"{os.environ['WORLD_SIZE']}) and tensor_parallel_size must be 1; run tensor-parallel replicas in "
-                "one process, which starts their ranks itself"
+                f"data_parallel_size {replicas} x tensor_parallel_size {tp} = {replicas * tp} ranks for a Llama "
+                f"model's engine replicas, but torchrun started {os.environ['WORLD_SIZE']}"
             )
         return [rank_device(device, 0), *[device] * (replicas - 1)]  # the others: their own rank's
     available, what = devices_here(device)
@@ -224,18 +222,6 @@ STORE_PREFIX = "tandem/replicas/"
 _LAUNCHED: list[Connection] = []  # rank 0: its connections to ranks 1, 2, ..., made once per process
 
 
-def _launch_store() -> dist.Store:
-    """torchrun's store, at ``MASTER_ADDR:MASTER_PORT``: its agent's (where it hosts one), else rank 0's."""
-    host = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and os.environ["RANK"] == "0"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=host,
-        timeout=datetime.timedelta(seconds=READY_TIMEOUT_S),
-    )
-    return dist.PrefixStore(STORE_PREFIX, store)
-
-
 def _launched_replicas(count: int) -> list[Connection]:
     """Rank 0's connections to the ``count`` other ranks, in rank order: accepted the first time (the address and
     key published in torchrun's store), kept for the process's later engines."""
@@ -243,17 +229,14 @@ def _launched_replicas(count: int) -> list[Connection]:
     if closed:
         raise WorkerError(f"torchrun's rank {closed[0]} left when an earlier engine replica failed")
     if len(_LAUNCHED) != count:
-        if _LAUNCHED or int(os.environ["WORLD_SIZE"]) != count + 1:
-            raise WorkerError(
-                f"{count} engine replicas besides rank 0, but torchrun's ranks are {os.environ['WORLD_SIZE']} "
-                f"({len(_LAUNCHED)} connected)"
-            )
+        if _LAUNCHED:
+            raise WorkerError(f"{count} engine replicas besides rank 0's, but {len(_LAUNCHED)} are connected")
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet: the route's own address
             probe.connect((os.environ["MASTER_ADDR"], 9))
             host = probe.getsockname()[0]
         key = secrets.token_bytes(32)
         with Listener(("0.0.0.0", 0), authkey=key) as listener:
-            store = _launch_store()
+            store = dist.PrefixStore(STORE_PREFIX, launch_store())
             store.set("key", key.hex())
             store.set("address", f"{host}:{listener.address[1]}")
             conns = {}
@@ -265,10 +248,10 @@ def _launched_replicas(count: int) -> list[Connection]:
 
 
 def serve_replicas(device: torch.device | str) -> None:
-    """A rank other than 0 that ``torchrun`` started for a Llama model's ``data_parallel_size``: connect to rank 0,
-    then build each replica engine it sends (on this rank's device, of ``device``'s type) and run it until rank 0
-    stops it, as a spawned replica runs; return when rank 0 closes the connection."""
-    store = _launch_store()
+    """A replica's driver that ``torchrun`` started (a Llama model's ``data_parallel_size``; not rank 0): connect to
+    rank 0, then build each replica engine it sends (on this rank's device, of ``device``'s type) and run it until
+    rank 0 stops it, as a spawned replica runs; return when rank 0 closes the connection."""
+    store = dist.PrefixStore(STORE_PREFIX, launch_store())
     host, port = store.get("address").decode().rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(store.get("key").decode()))
     rank = int(os.environ["RANK"])

@@ -23,16 +23,18 @@ embedding and LM head that rank 0 keeps, where a tensor-parallel one would cost 
 position and an all-reduce per layer for a model a fraction of the target's size.
 
 Processes: :meth:`Workers.start` spawns ``world_size - 1`` workers with torch.multiprocessing (or, under
-``torchrun``, where every rank is started for it, joins the group the launcher describes: rank 0 runs the
-program, the others call :func:`follow`). Control messages are pickled over a gloo group of their own.
-Failure: a rank that dies, or a message or collective that waits past ``ParallelConfig.timeout_s``, ends the
-engine with :class:`WorkerError` naming the rank: its exit code, the traceback it sent, or (a spawned rank that
+``torchrun``, where every rank is started for it, joins the group of this engine's ranks, :func:`_join_launch`:
+every rank, or one engine replica's; the engine's driver runs the program, the others call :func:`follow`, and
+they serve the driver's engines until its process exits). Control messages are pickled over a gloo group of
+their own. Failure: a rank that dies, or a message or collective that waits past ``ParallelConfig.timeout_s``,
+ends the engine with :class:`WorkerError` naming the rank: its exit code, the traceback it sent, or (a rank that
 stopped answering) how many of the forwards sent it finished, which every rank counts in the process group's
 store (:func:`_progress`; spawned or started by ``torchrun``, on this node or another).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib
 import itertools
@@ -63,6 +65,8 @@ from tandem.models.base import (
 from tandem.models.drafts.chained import follow_chained
 from tandem.models.loading import TARGET_MODULES
 from tandem.models.parallel import Shard
+
+LAUNCH_STORE_TIMEOUT = datetime.timedelta(minutes=10)  # a rank waits for another's key this long (an engine's build)
 
 
 class WorkerError(RuntimeError):
@@ -120,20 +124,20 @@ class ParallelConfig:
         if self.world_size > 1:  # the provider's own refusals of the sizes its layout splits
             module, config_class = TARGET_MODULES[model_type]
             importlib.import_module(module).check_shard(config_class.from_dict(config), self.shard(0, model_type))
-        here = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) if launched() else self.world_size
+        here = self.world_size
+        if launched():  # a GPU per rank on this node; on the CPU the ranks of other engines (replicas) share the cores
+            world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+            if world != self.world_size and (model_type != "llama" or world % self.world_size):
+                raise ValueError(
+                    f"torchrun started {world} ranks, but tensor_parallel_size {tp} x data_parallel_size {dp} = "
+                    f"{self.world_size}" + (" (or, engine replicas, a multiple of it)" if model_type == "llama" else "")
+                )
+            here = local if device.type == "cuda" else min(local, self.world_size)
         available, what = devices_here(device)
         first = (device.index or 0) if device.type == "cuda" and not launched() else 0  # rank r: cuda:<first + r>
         if first + here > available:
             start = f" from cuda:{first}" if first else ""
             raise ValueError(f"{here} ranks on this machine{start} (tp {tp} x dp {dp}) but it has {available} {what}")
-
-    def check_launch(self) -> None:
-        """Under ``torchrun``: raise ValueError when it started another number of ranks than the layout has."""
-        if int(os.environ["WORLD_SIZE"]) != self.world_size:
-            raise ValueError(
-                f"torchrun started {os.environ['WORLD_SIZE']} ranks, but tensor_parallel_size "
-                f"{self.tensor_parallel_size} x data_parallel_size {self.data_parallel_size} = {self.world_size}"
-            )
 
     def shard(self, rank: int, model_type: str) -> Shard:
         """Rank ``rank``'s place in the model's layout (over the default process group)."""
@@ -329,8 +333,7 @@ class _Ranks:
             return running
         processes, errors = [], None
         if launched():  # torchrun started every rank
-            parallel.check_launch()
-            dist.init_process_group(_backend(device), timeout=parallel.timeout)
+            _join_launch(parallel, device)
         else:
             context = mp.get_context("spawn")
             errors = context.SimpleQueue()
@@ -352,6 +355,8 @@ class _Ranks:
                 _backend(device), init_method=address, rank=0, world_size=parallel.world_size, timeout=parallel.timeout
             )
         cls.running = cls(parallel, device, processes, errors)
+        if launched():  # torchrun's ranks cannot be started again: they serve this process until it exits
+            atexit.register(cls.running.shutdown)
         return cls.running
 
     def send(self, message: Any) -> None:
@@ -517,12 +522,13 @@ class Workers:
         return self.ranks.guarded(run, *args, **kwargs)
 
     def close(self) -> None:
-        """Free this target on the workers; the last engine of the process stops them. Idempotent."""
+        """Free this target on the workers; the last engine of the process stops them, unless ``torchrun`` started
+        them (they then serve this process's later engines, and stop at its exit). Idempotent."""
         if self.closed:
             return
         self.closed = True
         self.ranks.users -= 1
-        if self.ranks.users > 0 and not self.ranks.closed:
+        if (self.ranks.users > 0 or launched()) and not self.ranks.closed:
             try:
                 self.ranks.send(_Release(self.id))
                 return
@@ -548,11 +554,33 @@ def _spawned_worker(rank, parallel, device, address, errors) -> None:
 
 
 def follow_launcher(parallel: ParallelConfig, device: torch.device | str) -> None:
-    """A rank other than 0 that ``torchrun`` started: join the group its environment describes and
-    :func:`follow` rank 0's engines."""
-    parallel.check_launch()
-    dist.init_process_group(_backend(torch.device(device)), timeout=parallel.timeout)
+    """A rank that ``torchrun`` started and that drives no engine: join its engine's group (:func:`_join_launch`)
+    and :func:`follow` that engine's driver."""
+    _join_launch(parallel, torch.device(device))
     follow(parallel, device)
+
+
+def launch_store() -> dist.Store:
+    """torchrun's store, at ``MASTER_ADDR:MASTER_PORT``: its agent's where it hosts one, else rank 0's."""
+    host = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and os.environ["RANK"] == "0"
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=host, timeout=LAUNCH_STORE_TIMEOUT
+    )
+
+
+def _join_launch(parallel: ParallelConfig, device: torch.device) -> None:
+    """Under ``torchrun``: join this rank's engine's process group, as its default group. Its ranks are every rank
+    torchrun started, or, where it started several engines of ``parallel.world_size`` ranks each (tensor-parallel
+    engine replicas, :mod:`tandem.engine.replicas`), this rank's engine's: engine ``RANK // world_size``, ranked
+    ``RANK % world_size``, a group of its own over torchrun's store."""
+    world, size, rank = int(os.environ["WORLD_SIZE"]), parallel.world_size, int(os.environ["RANK"])
+    if world % size:
+        raise ValueError(f"torchrun started {world} ranks, not a multiple of the layout's {size} ({parallel})")
+    if world == size:
+        dist.init_process_group(_backend(device), timeout=parallel.timeout)
+        return
+    store = dist.PrefixStore(f"tandem/engine{rank // size}/", launch_store())
+    dist.init_process_group(_backend(device), store=store, rank=rank % size, world_size=size, timeout=parallel.timeout)
 
 
 @dataclass

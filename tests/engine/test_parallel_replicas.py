@@ -25,7 +25,8 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.engine.replicas import ReplicaProcesses, ReplicatedEngine, replica_devices
-from tandem.engine.workers import WorkerError
+from tandem.engine.workers import ParallelConfig, WorkerError
+from tandem.llm import resolve_model
 from tests.engine.test_parallel import TRIP
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks per replica need two CPU cores")
@@ -83,9 +84,9 @@ def test_tensor_parallel_replicas_decode_what_one_device_does(one_thread):
 
 
 def test_torchrun_ranks_run_the_replicas_and_decode_what_one_engine_does():
-    """`torchrun --nproc-per-node 2` with data_parallel_size 2: rank 1 runs replica 1
+    """`torchrun --nproc-per-node 4`, tensor_parallel_size 2 x data_parallel_size 2: ranks 2 and 3 run replica 1
     (tests/engine/torchrun_replicas.py), which takes half the requests, then a second engine's replica after the
-    first closed; every request's tokens are one engine's."""
+    first closed; every request's tokens are one device's."""
     single = {draft: _build(draft) for draft in ("eagle3", None)}
     prompts = [single["eagle3"].chat_prompt([{"role": "user", "content": q}]) for q in QUESTIONS]
     expected = {
@@ -95,7 +96,7 @@ def test_torchrun_ranks_run_the_replicas_and_decode_what_one_engine_does():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(port)]
     program = Path(__file__).with_name("torchrun_replicas.py")
     one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
@@ -128,11 +129,19 @@ def test_a_layout_the_machine_cannot_run_is_refused_naming_the_setting(monkeypat
         replica_devices(3, 1, torch.device("cpu"))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ValueError, match="under torchrun: each rank runs one replica"):
-        replica_devices(2, 2, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"torchrun must start data_parallel_size ranks \(it started 4\)"):
-        replica_devices(2, 1, torch.device("cpu"))
+    message = "data_parallel_size 3 x tensor_parallel_size 1 = 3 ranks .* but torchrun started 4"
+    with pytest.raises(ValueError, match=message):
+        replica_devices(3, 1, torch.device("cpu"))
+    assert replica_devices(2, 2, torch.device("cpu")) == [torch.device("cpu")] * 2  # ranks 0-1 and 2-3
     assert replica_devices(4, 1, torch.device("cpu")) == [torch.device("cpu")] * 4
+    deepseek = json.loads((resolve_model("demo-deepseek") / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"torchrun started 4 ranks, but .* data_parallel_size 2 = 2$"):
+        ParallelConfig(data_parallel_size=2).check(deepseek, torch.device("cpu"))  # one engine: all the ranks
+    llama = json.loads((resolve_model("demo-llama") / "config.json").read_text())
+    ParallelConfig(tensor_parallel_size=2).check(llama, torch.device("cpu"))  # one of two replicas
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"torchrun started 3 ranks, .* = 2 \(or, engine replicas, a multiple of it\)"):
+        ParallelConfig(tensor_parallel_size=2).check(llama, torch.device("cpu"))
 
 
 def test_every_replica_takes_the_settings_and_starts_before_replica_0_loads(monkeypatch):

@@ -1,10 +1,11 @@
-"""A torchrun program for tests/engine/test_parallel_replicas.py: a Llama model's data_parallel_size 2 over two
-torchrun ranks, one engine replica each.
+"""A torchrun program for tests/engine/test_parallel_replicas.py: a Llama model's data_parallel_size 2 x
+tensor_parallel_size 2 over four torchrun ranks: replica 0 on ranks 0 and 1, replica 1 on ranks 2 and 3.
 
-Rank 1 serves the replicas rank 0 sends it (`tandem.cli.follows_rank_zero`, as under `torchrun -m tandem.cli`).
-Rank 0 builds demo-llama + EAGLE-3 with data_parallel_size 2, generates the questions of the first argument (a
-JSON list of chat prompts' token ids), closes it, then does the same without a draft (a second engine on the same
-ranks), and prints one JSON line: each engine's tokens and how many requests each replica was given.
+The other ranks follow rank 0 (`tandem.cli.follows_rank_zero`, as under `torchrun -m tandem.cli`): rank 2 drives the
+replicas rank 0 sends it, ranks 1 and 3 run their replica's forwards. Rank 0 builds demo-llama + EAGLE-3,
+generates the questions of the first argument (a JSON list of chat prompts' token ids), closes it, then does the
+same without a draft (a second engine on the same ranks), and prints one JSON line: each engine's tokens and how
+many requests each replica was given.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ SETTINGS = {"dtype": torch.float32, "max_num_seqs": 2, "max_model_len": 512, "gr
 
 
 def main() -> None:
-    layout = {"tensor_parallel_size": 1, "data_parallel_size": 2, "enable_expert_parallel": False}
+    layout = {"tensor_parallel_size": 2, "data_parallel_size": 2, "enable_expert_parallel": False}
     if follows_rank_zero(argparse.Namespace(model="demo-llama", device="cpu", **layout)):
         return
     prompts = json.loads(sys.argv[1])
