@@ -115,9 +115,9 @@ class ReplicaProcesses:
     def __init__(self, builds: list[Callable[[], Any]]) -> None:
         self.closed = False
         self.remotes: list[_Remote] = []
-        if launched():  # torchrun's ranks 1, 2, ...: each builds what it is sent (serve_replicas)
-            for index, (conn, build) in enumerate(zip(_launched_replicas(len(builds)), builds), 1):
-                self.remotes.append(_Remote(index, _LaunchedReplica(conn), conn))
+        if launched():  # the other replicas' first ranks: each builds what it is sent (serve_replicas)
+            for index, ((rank, conn), build) in enumerate(zip(_launched_replicas(len(builds)), builds), 1):
+                self.remotes.append(_Remote(index, _LaunchedReplica(rank, conn), conn))
                 self.send(self.remotes[-1], ("build", build))
             return
         context = mp.get_context("spawn")
@@ -186,7 +186,8 @@ class ReplicaProcesses:
         self.close()
         when = "" if remote.started else " before its engine started"
         if isinstance(remote.process, _LaunchedReplica):
-            return WorkerError(f"replica {remote.index} (torchrun's rank {remote.index}) closed its connection{when}")
+            rank = remote.process.rank
+            return WorkerError(f"replica {remote.index} (torchrun's rank {rank}) closed its connection{when}")
         return WorkerError(f"replica {remote.index} exited with code {remote.process.exitcode}{when}")
 
 
@@ -197,8 +198,8 @@ class _LaunchedReplica:
 
     exitcode = None
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn, self.stopped = conn, False
+    def __init__(self, rank: int, conn: Connection) -> None:
+        self.rank, self.conn, self.stopped = rank, conn, False
 
     def is_alive(self) -> bool:
         return not (self.stopped or self.conn.closed)
@@ -219,13 +220,13 @@ class _LaunchedReplica:
 
 # ------------------------------------------------------------------ under torchrun
 STORE_PREFIX = "tandem/replicas/"
-_LAUNCHED: list[Connection] = []  # rank 0: its connections to ranks 1, 2, ..., made once per process
+_LAUNCHED: list[tuple[int, Connection]] = []  # rank 0: the other replicas' first ranks and connections
 
 
-def _launched_replicas(count: int) -> list[Connection]:
-    """Rank 0's connections to the ``count`` other ranks, in rank order: accepted the first time (the address and
-    key published in torchrun's store), kept for the process's later engines."""
-    closed = [rank for rank, conn in enumerate(_LAUNCHED, 1) if conn.closed]
+def _launched_replicas(count: int) -> list[tuple[int, Connection]]:
+    """Rank 0's connections to the ``count`` other replicas' first ranks, with their ranks, in rank order: accepted
+    the first time (the address and key published in torchrun's store), kept for the process's later engines."""
+    closed = [rank for rank, conn in _LAUNCHED if conn.closed]
     if closed:
         raise WorkerError(f"torchrun's rank {closed[0]} left when an earlier engine replica failed")
     if len(_LAUNCHED) != count:
@@ -243,7 +244,7 @@ def _launched_replicas(count: int) -> list[Connection]:
             while len(conns) < count:
                 conn = listener.accept()
                 conns[conn.recv()] = conn  # its rank
-        _LAUNCHED.extend(conns[rank] for rank in sorted(conns))
+        _LAUNCHED.extend(sorted(conns.items()))
     return list(_LAUNCHED)
 
 
