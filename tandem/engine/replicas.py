@@ -204,10 +204,10 @@ class _LaunchedReplica:
     def is_alive(self) -> bool:
         return not (self.stopped or self.conn.closed)
 
-    def join(self, timeout: float | None = None) -> None:
+    def join(self, timeout: float) -> None:
         """Wait at most ``timeout`` seconds for the rank to report its engine closed (its steps' messages before
         that are dropped: the engine is stopping)."""
-        deadline = time.monotonic() + (timeout or 0.0)
+        deadline = time.monotonic() + timeout
         while self.is_alive() and self.conn.poll(max(deadline - time.monotonic(), 0.0)):
             try:
                 self.stopped = self.conn.recv()[0] == "stopped"

@@ -64,6 +64,16 @@ def pair(request):
     parallel.close()
 
 
+def torchrun(ranks: int, *command: str, **run) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node ranks`` of ``command`` (a program and its arguments, or ``-m module ...``) on a free
+    port, its output captured as text; ``run``: more of ``subprocess.run``'s arguments (a ``timeout``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(port)]
+    return subprocess.run([*launch, *command], capture_output=True, text=True, **run)
+
+
 def _runs(llm: LLM) -> dict[str, list]:
     greedy = SamplingParams(max_tokens=32)
     schema = SamplingParams(max_tokens=64, json_schema=TRIP)
@@ -165,16 +175,7 @@ def test_torchrun_launches_the_ranks_and_rank_zero_answers(capsys):
 
     command = ["generate", "List three prime numbers.", "--model", "demo-llama", "--draft", "eagle3"]
     command += ["--json", "--max-tokens", "24", "--graph-mode", "eager"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
-    done = subprocess.run(
-        [*launch, "-m", "tandem.cli", *command, "--tensor-parallel-size", "2"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = torchrun(2, "-m", "tandem.cli", *command, "--tensor-parallel-size", "2", timeout=240)
     assert done.returncode == 0, done.stderr[:4000] + "\n[...]\n" + done.stderr[-3000:]  # the first rank to fail, too
     assert main(command) == 0
     single = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

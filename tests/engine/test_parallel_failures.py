@@ -10,9 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -23,7 +20,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.engine.workers import ParallelConfig, WorkerError
 from tandem.llm import resolve_model
-from tests.engine.test_parallel import LAYOUTS, PROMPTS, build
+from tests.engine.test_parallel import LAYOUTS, PROMPTS, build, torchrun
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks need two CPU cores")
 
@@ -108,12 +105,7 @@ def test_a_torchrun_rank_that_hangs_is_named_within_the_timeout(tmp_path):
     keeps in the process group's store (tests/engine/torchrun_hang.py)."""
     from tests.engine.torchrun_hang import TIMEOUT_S
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
-    program = Path(__file__).with_name("torchrun_hang.py")
-    done = subprocess.run([*launch, str(program), str(tmp_path / "pid")], capture_output=True, text=True, timeout=240)
+    done = torchrun(2, str(Path(__file__).with_name("torchrun_hang.py")), str(tmp_path / "pid"), timeout=240)
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(reports) == 1, done.stderr[-4000:]
     assert re.match(r"rank 1 stopped answering after \d+ of the \d+ forwards sent", reports[0]["error"])

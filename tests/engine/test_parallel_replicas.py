@@ -13,9 +13,6 @@ import functools
 import json
 import multiprocessing
 import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +24,7 @@ from tandem import LLM, SamplingParams
 from tandem.engine.replicas import ReplicaProcesses, ReplicatedEngine, replica_devices
 from tandem.engine.workers import ParallelConfig, WorkerError
 from tandem.llm import resolve_model
-from tests.engine.test_parallel import TRIP
+from tests.engine.test_parallel import TRIP, torchrun
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks per replica need two CPU cores")
 
@@ -93,15 +90,9 @@ def test_torchrun_ranks_run_the_replicas_and_decode_what_one_engine_does():
         draft or "plain": [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16))]
         for draft, llm in single.items()
     }
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(port)]
     program = Path(__file__).with_name("torchrun_replicas.py")
     one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [*launch, str(program), json.dumps(prompts)], capture_output=True, text=True, timeout=300, env=one_thread
-    )
+    done = torchrun(4, str(program), json.dumps(prompts), timeout=300, env=one_thread)
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert done.returncode == 0 and len(reports) == 1, done.stderr[-4000:]
     for name, tokens in expected.items():
