@@ -38,19 +38,20 @@ def follows_rank_zero(args: argparse.Namespace) -> bool:
     """Under ``torchrun``, a rank other than 0 of a command that loads a parallel model follows rank 0's engine
     (which runs the command: prints, serves HTTP) until it ends: it runs that engine's forwards, or for a Llama
     model's ``data_parallel_size`` drives an engine replica of its own or runs its replica's forwards; returns
-    whether this process was such a rank."""
-    if "tensor_parallel_size" not in args or os.environ.get("RANK", "0") == "0":
+    whether this process was such a rank. Every rank (rank 0 too) refuses models that would need the other ranks
+    in both roles (``tandem bench --models`` of a Llama and a DeepSeek-V3 model with ``data_parallel_size``)."""
+    if "tensor_parallel_size" not in args or "RANK" not in os.environ:
         return False
     from tandem.engine.replicas import serve_replicas
     from tandem.engine.workers import ParallelConfig, follow_launcher
-    from tandem.llm import resolve_device, resolve_model
-    from tandem.models.loading import read_config
+    from tandem.llm import resolve_device
 
+    replicas = _runs_replicas(args)
+    if os.environ["RANK"] == "0":
+        return False
     device = resolve_device(getattr(args, "device", "auto"))
-    model = args.model if "model" in args else args.models[0]
-    revision = getattr(args, "revision", None)
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
-    if dp > 1 and read_config(resolve_model(model, revision)).get("model_type") == "llama":  # engine replicas
+    if replicas:
         if int(os.environ["RANK"]) % tp == 0:  # a replica's driver
             serve_replicas(device)
         else:
@@ -58,6 +59,28 @@ def follows_rank_zero(args: argparse.Namespace) -> bool:
         return True
     follow_launcher(ParallelConfig(tp, dp, args.enable_expert_parallel), device)
     return True
+
+
+def _runs_replicas(args: argparse.Namespace) -> bool:
+    """Whether the command's models run ``data_parallel_size`` as engine replicas (Llama) rather than as one
+    engine's data-parallel ranks (DeepSeek-V3); ``ValueError`` when its models differ in that."""
+    from tandem.llm import resolve_model
+    from tandem.models.loading import read_config
+
+    if args.data_parallel_size == 1:
+        return False
+    models = [args.model] if "model" in args else args.models
+    revision = getattr(args, "revision", None)
+    kinds = {model: read_config(resolve_model(model, revision)).get("model_type") == "llama" for model in models}
+    if len(set(kinds.values())) > 1:
+        llama = ", ".join(model for model, replicas in kinds.items() if replicas)
+        others = ", ".join(model for model, replicas in kinds.items() if not replicas)
+        raise ValueError(
+            f"under torchrun, data_parallel_size={args.data_parallel_size} runs Llama models as engine replicas and "
+            f"DeepSeek-V3 models as one engine's ranks, which the other ranks cannot both follow: run {llama} and "
+            f"{others} in separate torchrun jobs"
+        )
+    return next(iter(kinds.values()))
 
 
 def main(argv: list[str] | None = None) -> int:

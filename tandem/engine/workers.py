@@ -331,6 +331,10 @@ class _Ranks:
                     f"this process runs {running.parallel} on {running.device} already: close() those LLMs first"
                 )
             return running
+        if running is not None and launched():  # shut down after a failure: its ranks left and cannot come back
+            raise WorkerError(
+                "torchrun's ranks were shut down after a failure and cannot be started again: rerun the job"
+            )
         processes, errors = [], None
         if launched():  # torchrun started every rank
             _join_launch(parallel, device)

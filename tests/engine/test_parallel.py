@@ -9,6 +9,7 @@ gaps between the best and second-best token (the greedy test reports the smalles
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -183,6 +184,21 @@ def test_torchrun_launches_the_ranks_and_rank_zero_answers(capsys):
     assert len(answers) == 1  # rank 0's; the other rank prints nothing
     parallel = json.loads(answers[0])
     assert (parallel["reasoning"], parallel["text"]) == (single["reasoning"], single["text"])
+
+
+def test_torchrun_refuses_models_whose_data_parallel_ranks_differ(monkeypatch):
+    """`tandem bench --models` under torchrun with `--data-parallel-size`: a Llama model's other ranks drive engine
+    replicas, a DeepSeek-V3 model's run its engine's forwards; no rank can follow both, so every rank refuses."""
+    from tandem.cli import follows_rank_zero
+
+    layout = {"tensor_parallel_size": 1, "data_parallel_size": 2, "enable_expert_parallel": False, "device": "cpu"}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(ValueError, match="run demo-llama and demo-deepseek in separate torchrun jobs"):
+            follows_rank_zero(argparse.Namespace(models=["demo-llama", "demo-deepseek"], **layout))
+    monkeypatch.setenv("RANK", "0")  # rank 0 runs the command; one kind of model is fine
+    assert not follows_rank_zero(argparse.Namespace(models=["demo-llama", "demo-llama"], **layout))
 
 
 def test_engine_replicas_share_the_requests_and_decode_what_one_engine_does():

@@ -102,7 +102,8 @@ def test_a_worker_that_hangs_is_named_within_the_timeout():
 
 def test_a_torchrun_rank_that_hangs_is_named_within_the_timeout(tmp_path):
     """Under torchrun no rank is the driver's child: rank 0 names the stopped rank from the counts every rank
-    keeps in the process group's store (tests/engine/torchrun_hang.py)."""
+    keeps in the process group's store (tests/engine/torchrun_hang.py); the ranks are then gone, and a later
+    engine is refused at once."""
     from tests.engine.torchrun_hang import TIMEOUT_S
 
     done = torchrun(2, str(Path(__file__).with_name("torchrun_hang.py")), str(tmp_path / "pid"), timeout=240)
@@ -110,3 +111,5 @@ def test_a_torchrun_rank_that_hangs_is_named_within_the_timeout(tmp_path):
     assert len(reports) == 1, done.stderr[-4000:]
     assert re.match(r"rank 1 stopped answering after \d+ of the \d+ forwards sent", reports[0]["error"])
     assert reports[0]["seconds"] < TIMEOUT_S + 25
+    assert "cannot be started again" in reports[0]["again"]
+    assert reports[0]["again_seconds"] < TIMEOUT_S
