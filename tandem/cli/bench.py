@@ -25,7 +25,9 @@ The machine's speed drifts over seconds, so the cases are interleaved finely: ea
 `--repeats` rounds runs every case on the first prompt group, then every case on the second, and
 so on. A case's tokens/s is its fastest round (timeit's rule: slower rounds measure
 the machine's other load, not the code); a ratio is the median over rounds of the ratio within a
-round, where both sides saw the same stretch of machine, and `ratio_range` gives its spread. One
+round, where both sides saw the same stretch of machine, and `ratio_range` gives its spread. `ratios` names
+each draft's for every batch (`eagle3_k4_batch8_vs_plain`): speculative over plain, constrained over
+unconstrained, and speculative over plain under the schema. One
 JSON object on the last line of stdout. Prefix caching is off: the rounds repeat the same prompts, whose
 prefill a cache would skip (`benchmarks/serve_load.py --workload agent` measures the cache).
 
@@ -212,7 +214,7 @@ def _bench_model(model: str, args: argparse.Namespace, bar: tqdm) -> dict:
     peers = [{"mode": key[1], **_fastest(runs)} for key, runs in rounds.items() if key[0] == "transformers"]
     for row in peers:
         _log(args, f"{model:14s} transformers {row['mode']:13s} batch=1  {row['tokens_per_s']:8.1f} tok/s")
-    ratios, ratio_range = _ratios(rounds, max(args.k), min(args.batch), args.graph_mode[0])
+    ratios, ratio_range = _ratios(rounds, max(args.k), sorted(set(args.batch)), args.graph_mode[0])
     result = {"runs": results, "transformers": peers, "ratios": ratios, "ratio_range": ratio_range}
     if {"compiled", "eager"} <= set(args.graph_mode):
         result["compiled_vs_eager"], result["compiled_vs_eager_range"] = _compiled_vs_eager(rounds)
@@ -394,23 +396,33 @@ def _measure_transformers(
     return {"seconds": time.perf_counter() - start, "generated": generated}
 
 
-def _ratios(rounds: dict[tuple, list[dict]], k: int, batch: int, mode: str) -> tuple[dict, dict]:
-    """The headline ratios, greedy, for the largest k, the smallest batch measured (transformers
-    runs batch 1) and graph mode `mode`: each the median over rounds of the within-round ratio of
-    tokens/s; and each one's [min, max] over rounds."""
+def _ratios(rounds: dict[tuple, list[dict]], k: int, batches: list[int], mode: str) -> tuple[dict, dict]:
+    """The headline ratios, greedy, for the largest k, each batch measured and graph mode `mode`, named
+    `<draft>_k<k>_batch<batch>_<ratio>`: speculative over plain tokens/s (`vs_plain`, and `decode_vs_plain` after
+    each request's first token), constrained over unconstrained (`schema_vs_unconstrained`) and speculative over
+    plain, both under the schema (`schema_vs_plain`); and tandem's plain over transformers' at the smallest batch
+    (transformers runs batch 1). Each is the median over rounds of the within-round ratio; and each one's
+    [min, max] over rounds."""
 
     def ratio(numerator: tuple, denominator: tuple, rate: Callable[[dict], float] = _rate) -> list[float]:
         return sorted(rate(a) / rate(b) for a, b in zip(rounds[numerator], rounds[denominator]))
 
-    plain = "none", 0, False, False, batch, mode
-    per_round = {"tandem_plain_vs_transformers_plain": ratio(plain, ("transformers", "plain"))}
+    per_round = {
+        "tandem_plain_vs_transformers_plain": ratio(
+            ("none", 0, False, False, min(batches), mode), ("transformers", "plain")
+        )
+    }
     for draft in sorted({key[0] for key in rounds} - {"none", "transformers"}):
-        spec, spec_schema = (draft, k, False, False, batch, mode), (draft, k, False, True, batch, mode)
-        if spec in rounds:
-            per_round[f"{draft}_k{k}_vs_plain"] = ratio(spec, plain)
-            per_round[f"{draft}_k{k}_decode_vs_plain"] = ratio(spec, plain, _decode_rate)
-            if spec_schema in rounds:
-                per_round[f"{draft}_k{k}_schema_vs_unconstrained"] = ratio(spec_schema, spec)
+        for batch in batches:
+            plain, plain_schema = ("none", 0, False, False, batch, mode), ("none", 0, False, True, batch, mode)
+            spec, spec_schema = (draft, k, False, False, batch, mode), (draft, k, False, True, batch, mode)
+            name = f"{draft}_k{k}_batch{batch}"
+            if spec in rounds:
+                per_round[f"{name}_vs_plain"] = ratio(spec, plain)
+                per_round[f"{name}_decode_vs_plain"] = ratio(spec, plain, _decode_rate)
+                if spec_schema in rounds:
+                    per_round[f"{name}_schema_vs_unconstrained"] = ratio(spec_schema, spec)
+                    per_round[f"{name}_schema_vs_plain"] = ratio(spec_schema, plain_schema)
     return _medians(per_round)
 
 

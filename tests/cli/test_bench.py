@@ -44,12 +44,9 @@ def test_bench_smallest_run_reports_runs_and_ratios(tandem):
     assert [peer["mode"] for peer in result["transformers"]] == ["plain", "prompt_lookup"]
     assert all(peer["generated"] > 0 and peer["tokens_per_s"] > 0 for peer in result["transformers"])
 
-    names = {
-        "tandem_plain_vs_transformers_plain",
-        f"{DRAFT}_k{K}_vs_plain",
-        f"{DRAFT}_k{K}_decode_vs_plain",
-        f"{DRAFT}_k{K}_schema_vs_unconstrained",
-    }
+    names = {"tandem_plain_vs_transformers_plain"}
+    names |= {f"{DRAFT}_k{K}_batch{BATCH}_{ratio}" for ratio in ("vs_plain", "decode_vs_plain")}
+    names |= {f"{DRAFT}_k{K}_batch{BATCH}_schema_vs_{other}" for other in ("unconstrained", "plain")}
     assert set(result["ratios"]) == set(result["ratio_range"]) == names
     for name, ratio in result["ratios"].items():
         low, high = result["ratio_range"][name]
@@ -71,7 +68,7 @@ def test_bench_json_prints_one_line_and_no_bar_off_a_terminal(tandem):
     (line,) = out.splitlines()  # stdout: the JSON line alone
     result = json.loads(line)["models"][MODEL]
     assert {(r["draft"], r["graph_mode"]) for r in result["runs"]} == {("none", "auto"), ("ngram", "auto")}
-    assert "ngram_k1_vs_plain" in result["ratios"]
+    assert "ngram_k1_batch1_vs_plain" in result["ratios"]
     assert "round" not in err  # stderr is not a terminal (captured): --progress auto shows no bar
 
 

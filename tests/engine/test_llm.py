@@ -150,32 +150,42 @@ def test_bench_runs_the_transformers_peer_on_tandems_device_and_dtype():
 def test_bench_ratios_are_medians_of_ratios_within_a_round():
     """The machine slows down between rounds (1x, 2x, 1.5x). Within a round the speculative path
     is twice as fast as the plain one, except that a burst of load hit its turn in round 1. The
-    median of the within-round ratios says 2.0; the cases' fastest rounds alone would say 1.667."""
+    median of the within-round ratios says 2.0; the cases' fastest rounds alone would say 1.667.
+    Each batch gets its own ratios: at batch 8 speculation is 1.5x plain, and under the schema 1.2x
+    (constrained 0.8x its unconstrained speed, plain under the schema as fast as without)."""
     from tandem.cli.bench import _ratios
 
     slowdown = [1.0, 2.0, 1.5]
-    plain = [{"generated": 100, "seconds": s, "first_token_seconds": s / 10, "requests": 1} for s in slowdown]
-    spec = [
-        {"generated": 100, "seconds": s / 2 * burst, "first_token_seconds": s / 20, "requests": 1}
-        for s, burst in zip(slowdown, [1.2, 1, 1])
-    ]
-    peer = [{"generated": 50, "seconds": s} for s in slowdown]
+
+    def runs(factor: float, bursts=(1, 1, 1)) -> list[dict]:  # `factor` times plain batch 1's speed
+        return [
+            {"generated": 100, "seconds": s / factor * burst, "first_token_seconds": s / factor / 10, "requests": 1}
+            for s, burst in zip(slowdown, bursts)
+        ]
+
     rounds = {
-        ("none", 0, False, False, 1, "eager"): plain,
-        ("eagle", 4, False, False, 1, "eager"): spec,
-        ("transformers", "plain"): peer,
+        ("none", 0, False, False, 1, "eager"): runs(1),
+        ("eagle", 4, False, False, 1, "eager"): runs(2, (1.2, 1, 1)),
+        ("none", 0, False, False, 8, "eager"): runs(4),
+        ("none", 0, False, True, 8, "eager"): runs(4),
+        ("eagle", 4, False, False, 8, "eager"): runs(6),
+        ("eagle", 4, False, True, 8, "eager"): runs(4.8),
+        ("transformers", "plain"): [{"generated": 50, "seconds": s} for s in slowdown],
     }
-    ratios, ratio_range = _ratios(rounds, k=4, batch=1, mode="eager")
+    ratios, ratio_range = _ratios(rounds, k=4, batches=[1, 8], mode="eager")
     assert ratios == {
         "tandem_plain_vs_transformers_plain": 2.0,
-        "eagle_k4_vs_plain": 2.0,
-        "eagle_k4_decode_vs_plain": 2.0,
+        "eagle_k4_batch1_vs_plain": 2.0,
+        "eagle_k4_batch1_decode_vs_plain": 2.0,
+        "eagle_k4_batch8_vs_plain": 1.5,
+        "eagle_k4_batch8_decode_vs_plain": 1.5,
+        "eagle_k4_batch8_schema_vs_unconstrained": 0.8,
+        "eagle_k4_batch8_schema_vs_plain": 1.2,
     }
-    assert ratio_range == {
-        "tandem_plain_vs_transformers_plain": [2.0, 2.0],
-        "eagle_k4_vs_plain": [1.667, 2.0],
-        "eagle_k4_decode_vs_plain": [1.636, 2.0],
-    }
+    assert ratio_range["tandem_plain_vs_transformers_plain"] == [2.0, 2.0]
+    assert ratio_range["eagle_k4_batch1_vs_plain"] == [1.667, 2.0]
+    assert ratio_range["eagle_k4_batch1_decode_vs_plain"] == [1.636, 2.0]
+    assert ratio_range["eagle_k4_batch8_schema_vs_plain"] == [1.2, 1.2]
 
 
 def test_bench_decode_rate_leaves_out_each_requests_first_token_and_the_time_to_it():
