@@ -13,6 +13,7 @@ import torch
 from tandem.assets import ASSETS_DIR, DEFAULT_MODEL
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
 from tandem.engine import Engine, EngineConfig
+from tandem.engine.engine import check_speculation
 from tandem.engine.output import RequestOutput, StreamDelta
 from tandem.engine.replicas import ReplicaProcesses, ReplicatedEngine, replica_devices
 from tandem.engine.workers import ParallelConfig, Workers
@@ -90,6 +91,7 @@ class LLM:
         from tandem.models.linear import narrow_exact_weights
         from tandem.models.loading import generation_eos_ids, load_draft, load_target, read_config
 
+        check_speculation(draft is not None, num_speculative_tokens)  # before anything loads
         self.model_path = resolve_model(model, revision)
         device = resolve_device(device)
         if dtype is None and torch.device(device).type == "cpu":

@@ -130,6 +130,15 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} = {value} must be at least {least}")
 
 
+def check_speculation(has_draft: bool, num_speculative_tokens: int) -> None:
+    """Refuse a draft with no tokens to propose (``ValueError``): its proposal would still write its cache."""
+    if has_draft and num_speculative_tokens < 1:
+        raise ValueError(
+            f"num_speculative_tokens = {num_speculative_tokens} with a draft: a draft proposes at least 1 token a "
+            f"step (no draft decodes plainly)"
+        )
+
+
 class Engine:
     """Continuous-batching speculative engine over one target and an optional draft.
 
@@ -139,6 +148,7 @@ class Engine:
     def __init__(self, target, draft, tokenizer, config: EngineConfig, workers: Workers | None = None) -> None:
         self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
         self.workers = workers  # the other ranks of a parallel target (engine/workers.py), None on one device
+        check_speculation(draft is not None, config.num_speculative_tokens)
         self.k = config.num_speculative_tokens if draft is not None else 0
         self.forced_drafts = config.forced_drafts and draft is not None
         self.max_drafts = self.k + (config.max_forced_drafts if self.forced_drafts else 0)  # the widest verify - 1

@@ -94,6 +94,14 @@ def test_chunked_prefill_in_graph_mode_gives_the_eager_unchunked_outputs(models)
     _assert_pool_whole(compiled)
 
 
+@pytest.mark.parametrize("draft", ["eagle3", "ngram"])
+def test_a_draft_with_no_tokens_to_propose_is_refused(models, draft):
+    """k = 0 with a draft: EAGLE-3's proposal would still write its cache past the row's blocks."""
+    target, draft_model, tokenizer = models("demo-llama", draft)
+    with pytest.raises(ValueError, match="num_speculative_tokens = 0 with a draft"):
+        Engine(target, draft_model, tokenizer, EngineConfig(num_speculative_tokens=0))
+
+
 @pytest.mark.parametrize("field", ["max_num_batched_tokens", "block_size", "max_num_seqs", "max_model_len"])
 def test_a_config_without_room_for_a_token_is_refused_naming_the_field(field):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} = 0 must be at least 1"):

@@ -122,6 +122,7 @@ def test_cli_generate_runs_the_demo_model_with_its_best_draft_and_a_schema(tmp_p
         (["--schema", "missing.json"], "No such file or directory: 'missing.json'"),
         (["--model", "nowhere"], "model 'nowhere': no config.json"),
         (["--draft", "medusa"], "draft 'medusa': not a kind"),
+        (["-k", "0"], "num_speculative_tokens = 0 with a draft: a draft proposes at least 1 token"),
     ],
 )
 def test_cli_reports_bad_input_in_one_line_without_a_traceback(argv, says, tmp_path, monkeypatch, capsys):
