@@ -52,7 +52,7 @@ import jsonschema
 import torch
 from tqdm import tqdm
 
-from tandem.cli.options import add_graph_mode_argument, add_parallel_arguments, parallel_settings
+from tandem.cli.options import add_graph_mode_argument, add_parallel_arguments, parallel_settings, positive_int
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams
 from tandem.models.loading import DTYPES
 
@@ -73,13 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="draft kinds to measure, among each model's available ones (default: all it has); "
         "the plain path is always measured",
     )
-    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts per measurement")
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--k", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompts", type=positive_int, default=8, help="held-out prompts per measurement")
+    parser.add_argument("--max-tokens", type=positive_int, default=96)
+    parser.add_argument("--k", type=positive_int, nargs="+", default=[2, 4])
+    parser.add_argument("--batch", type=positive_int, nargs="+", default=[1, 8])
     parser.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="torch CPU threads (default: torch's own); tandem's steps of a few tokens take "
         "one either way (EngineConfig.small_step_threads)",
@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="weights' dtype (default: float32 on the CPU, the checkpoint's elsewhere)",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every measurement")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="interleaved rounds of every measurement")
     add_graph_mode_argument(parser, several=True)
     add_parallel_arguments(parser)
     parser.add_argument("--json", action="store_true", help="only the JSON line")

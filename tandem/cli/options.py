@@ -8,6 +8,14 @@ from tandem.assets import DEFAULT_MODEL
 from tandem.engine.graphs import GRAPH_MODES
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (argparse names the option when it is not)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """`--model`, `--revision`, `--draft`, `-k`, `--adaptive`, `--graph-mode` and the parallel layout: the target
     (and its hub revision), its draft, the drafts per step, how steps run and over how many processes."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.cli.conftest import last_json_line
 
 MODEL, DRAFT, K, BATCH, PROMPTS, MAX_TOKENS = "demo-llama", "eagle3", 2, 2, 2, 4
@@ -133,3 +135,14 @@ def test_draft_choices_cover_every_available_kind():
     for model in ("demo-llama", "demo-deepseek"):
         assert set(available_drafts(resolve_model(model))) <= set(DRAFT_KINDS)
     assert {"ngram", "suffix"} <= set(DRAFT_KINDS)
+
+
+@pytest.mark.parametrize("option", ["--batch", "--k", "--repeats", "--prompts", "--max-tokens", "--threads"])
+def test_a_count_below_one_is_refused_naming_the_option(option, capsys):
+    """Each would have ended in a traceback (or, for --k, transformers' message about its n-gram size)."""
+    from tandem import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", option, "0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {option}: 0 is not a positive integer" in err
