@@ -16,8 +16,9 @@ step's start to the next one's less what entered cost and draft (the draft's cho
 caller's handling of the step's output: the median of its recent values), and ``draft(J)`` the measured time of a
 proposal of J chained
 passes, ``J = max_b j_b``: the draft proposes only as far as the row that drafts most (a `CostModel` over
-passes, from the proposals' own timings). When no row drafts (J = 0) the draft does not run: a draft without
-state needs nothing, and one that reads the target's hidden states takes the step's tokens when a row next
+passes, from the proposals' own timings; while one length alone is timed, longer ones are read at its cost, so
+the policy tries them: `AdaptivePolicy.draft_seconds`). When no row drafts (J = 0) the draft does not run: a
+draft without state needs nothing, and one that reads the target's hidden states takes the step's tokens when a row next
 drafts (`batching.defer_draft`; that proposal's first pass is wider, so its time enters no point of draft(J));
 over several ranks, where the ranks run such a draft, it runs its first pass anyway (J is at least 1 for it).
 A proposal left on the device (`Request.drafts_on_device`) is timed as the host launches it: the device's part
@@ -295,9 +296,15 @@ class AdaptivePolicy:
     def draft_seconds(self, most_drafts: int) -> float:
         """The draft's expected time in a step where the row that drafts most drafts `most_drafts`: a proposal of
         :func:`draft_passes` chained passes, 0 for none. 0 before any timing: the policy then tries drafting, and
-        so times it."""
+        so times it. With one proposal length timed, a longer one costs what it does: read in proportion, it would
+        pay for the first pass (the dearest: it takes the committed tokens) once per pass, and the policy would
+        never try the longer proposal, so never time it; assumed no dearer, it is tried where the acceptance pays
+        for it, and so timed."""
         passes = draft_passes(most_drafts, self.draft_always)
-        return self.draft_cost(passes) if passes else 0.0
+        if not passes:
+            return 0.0
+        timed = self.draft_cost.tokens
+        return self.draft_cost(timed[0] if len(timed) == 1 and passes > timed[0] else passes)
 
     def forced_runs(
         self, request_ids: list[str], forced: list[list[bool]], runs: list[int], pinned: list[bool], draft_cost: float

@@ -381,3 +381,20 @@ def test_a_warm_up_timing_does_not_make_a_shape_look_slow():
         assert policy.draft_cost.tokens == [1, 4] and policy.draft_seconds(4) == 0.4
         assert policy.draft_seconds(1) == 0.3 and policy.draft_seconds(2) == pytest.approx(1 / 3)
         assert policy.draft_seconds(0) == (0.3 if draft_always else 0.0)  # its first pass runs anyway, or nothing
+
+
+def test_one_timed_proposal_length_does_not_keep_the_policy_from_longer_ones():
+    """Timed only at 2 passes (the first proposal chose 2 drafts), a 4-pass proposal read in proportion would cost
+    twice as much (the first pass, the dearest, counted once per pass), and a row accepting 80% would stay at 2
+    drafts, never timing 4 (the figures of a demo-deepseek + MTP run). Read at the timed length's cost it drafts 4;
+    once 4 passes are timed their own cost holds, and a dear 4-pass proposal brings the choice back down."""
+    policy = AdaptivePolicy(4, CostModel([1, 3, 5], [6.67, 7.02, 8.38]), draft_always=False)
+    for _ in range(2):  # the first timing at a length is a warm-up
+        policy.observe_draft_time(2.88, 2)
+    assert policy.draft_cost.tokens == [2] and policy.draft_seconds(4) == policy.draft_seconds(3) == 2.88
+    assert policy.draft_seconds(1) == pytest.approx(1.44)  # shorter: in proportion
+    assert choose_drafts([0.8], 4, policy.cost, policy.draft_seconds) == [4]
+    assert choose_drafts([0.8], 4, policy.cost, lambda j: 2.88 * j / 2) == [2]  # the proportional read
+    for _ in range(2):
+        policy.observe_draft_time(9.0, 4)
+    assert policy.draft_seconds(4) == 9.0 and choose_drafts([0.8], 4, policy.cost, policy.draft_seconds) == [2]
