@@ -26,7 +26,10 @@ P if that still ends, or P's text less t's where it starts with it, split at t's
 number or a name the row writes in other pieces than P's); when none does, or the derived one no longer
 fits the budget (t was kept by a proof, whose completion is shorter), a fresh `search` (and, when it
 finds none within the budget, the narrower one of the proofs, which finds again the completion that kept
-t): a breadth-first walk over the matcher
+t). Where the budget leaves room, a *quick* search (a beam of one) comes first: its witness may be a few
+tokens longer than the wide search's, which matters only near the budget, so it is kept while it leaves a
+slack of at least `settle` and is searched again wide once it does not (it is *unsettled* until then). A
+search is a breadth-first walk over the matcher
 with rollback, per level the states deduplicated by their next-token mask, a token that leaves a
 free-text state (more than `free_text` tokens allowed) with the same mask not followed (it wrote text
 and went nowhere), the `beam` states that wrote the most text kept (then the fewest tokens allowed),
@@ -37,8 +40,9 @@ bracket, other punctuation, digits, the rest, each class shortest first), a chea
 tokens that end spans.
 
 Cost: nothing until a row has at most `window` tokens left; then a derivation per position (a replay
-of at most W tokens), a search where derivation fails, and at a restricted position up to two replays
-per allowed token (at most `candidates`) and a proof search per structural token no replay proves.
+of at most W tokens), a search where derivation fails (a quick one while the slack is ample), and at a
+restricted position up to two replays per allowed token (at most `candidates`) and a proof search per
+structural token no replay proves.
 The masker computes each state's witness and closing mask once (`grammars.masks`).
 """
 
@@ -101,10 +105,13 @@ class Closer:
         branch: int = 24,
         free_text: int = 32,
         proof: tuple[int, int] = (4, 12),
+        quick: tuple[int, int] = (1, 8),
+        settle: int = 16,
     ):
         self.vocab_size, self.window, self.horizon, self.reach = vocab_size, window, horizon, reach
         self.candidates, self.beam, self.branch, self.free_text = candidates, beam, branch, free_text
         self.proof = proof  # (beam, branch) of the search that proves a structural token: a narrower one
+        self.quick, self.settle = quick, settle  # (beam, branch) of the quick search; the slack it must leave
         self.order = np.asarray(token_order, dtype=np.int64)
         self.texts = list(token_texts) if token_texts is not None else None  # each token's text alone
         self.lengths = [len(t) for t in self.texts] if self.texts is not None else [1] * vocab_size  # its characters
@@ -151,13 +158,18 @@ class Closer:
                 return None
         return None
 
-    def fresh(self, matcher: Matcher, limit: int) -> Witness | None:
-        """A witness of at most `limit` tokens searched from the matcher's state: the wide search's, else the
-        narrow one's that `restrict` proves structural tokens with, so that a token kept by such a proof finds
-        its completion again from the state after it (the searches are deterministic; their beams prune
-        different paths)."""
+    def fresh(self, matcher: Matcher, limit: int) -> tuple[Witness | None, bool]:
+        """A witness of at most `limit` tokens searched from the matcher's state, and whether it is settled: the
+        quick search's while it leaves a slack of `settle` (unsettled), else the wide search's, else the narrow
+        one's that `restrict` proves structural tokens with, so that a token kept by such a proof finds its
+        completion again from the state after it (the searches are deterministic; their beams prune different
+        paths)."""
+        if limit > self.settle:
+            witness = self.search(matcher, limit - self.settle, *self.quick)
+            if witness is not None:
+                return witness, False
         witness = self.search(matcher, limit)
-        return witness if witness is not None else self.search(matcher, limit, *self.proof)
+        return (witness if witness is not None else self.search(matcher, limit, *self.proof)), True
 
     def derive(self, matcher: Matcher, witness: Witness | None | str, token: int) -> Witness | None | str:
         """The witness after `token`, which the matcher has just accepted, from the one before it; UNKNOWN
@@ -209,6 +221,8 @@ class Closer:
         if not isinstance(witness, tuple) or remaining < len(witness):
             return
         slack = remaining - len(witness)
+        if slack >= max(self.reach, self.horizon):  # whatever the position's kind
+            return
         words = row.numpy().copy()
         tokens = self._in_order(words)
         structural = len(tokens) <= self.candidates

@@ -21,7 +21,8 @@ closing masks (`tandem.grammars.closing`): its grammar's mask narrowed to the to
 completion within the tokens left, and at a thinking position where nothing but `</think>` and the
 shortest answer fit, `</think>` alone. A row keeps the witness of its committed state and the budget
 left there; both follow every committed token (`commit`), so the masks of a state never depend on how
-many tokens a step verified.
+many tokens a step verified. An unsettled witness (a quick search's) is searched again wide at the first
+state where its slack falls below the closer's `settle`.
 """
 
 from __future__ import annotations
@@ -42,19 +43,29 @@ MAX_START_WITNESSES = 1024  # grammars whose start state's witness is kept
 
 
 @dataclass
+class Closing:
+    """A grammar state's closing: its witness, its closing mask row (None: not restricted yet), and whether the
+    witness is settled (`Closer.fresh`: a quick search's is not, until searched again wide)."""
+
+    witness: Witness | None | str = UNKNOWN
+    row: torch.Tensor | None = None
+    settled: bool = True
+
+
+@dataclass
 class GrammarRow:
     """One request's grammar state: a matcher (None = unconstrained) and a thinking tracker (None = no reasoning);
-    with closing, the budget left at the committed state (None: not known yet) and that state's witness."""
+    with closing, the budget left at the committed state (None: not known yet) and that state's closing."""
 
     matcher: Matcher | None
     tracker: ThinkingTracker | None = None
     grammar: Hashable | None = None  # what the matcher walks: rows of one grammar share its start state's witness
     remaining: int | None = None
-    witness: Witness | None | str = UNKNOWN
+    committed: Closing = field(default_factory=Closing)
     history: list[int] = field(default_factory=list)  # the committed tokens the grammar took
-    # Closing per state (the grammar's tokens, tokens left) -> [witness, its closing mask row or None], so a
-    # state the walks of two steps reach is searched and restricted once.
-    closing: dict[tuple[tuple[int, ...], int], list] = field(default_factory=dict)
+    # Closing per state (the grammar's tokens, tokens left), so a state the walks of two steps reach is searched
+    # and restricted once.
+    closing: dict[tuple[tuple[int, ...], int], Closing] = field(default_factory=dict)
 
 
 def single_token(row: torch.Tensor | np.ndarray) -> int:
@@ -159,27 +170,32 @@ class SpeculativeMasker:
             if state.remaining is not None:  # closing: the witness follows the committed state
                 state.remaining -= 1
                 key = (tuple(state.history), state.remaining)
-                state.witness = self._closing(state, key, state.witness, None if thinking else token)[0]
+                state.committed = self._closing(state, key, state.committed, None if thinking else token)
         if state.remaining is not None:  # states before the committed one are never reached again
             state.closing = {key: entry for key, entry in state.closing.items() if len(key[0]) >= len(state.history)}
 
     def _closing(
-        self, state: GrammarRow, key: tuple[tuple[int, ...], int], witness: Witness | None | str, token: int | None
-    ) -> list:
-        """The closing entry of the state the matcher is in, `key`, reached by `token` (None: by a token the
-        grammar did not see, in thinking) from a state with `witness`; derived (searched if need be) once."""
+        self, state: GrammarRow, key: tuple[tuple[int, ...], int], before: Closing, token: int | None
+    ) -> Closing:
+        """The closing of the state the matcher is in, `key`, reached by `token` (None: by a token the grammar did
+        not see, in thinking) from a state whose closing is `before`; derived (searched if need be) once."""
         entry = state.closing.get(key)
         if entry is None:
+            witness, settled, remaining = before.witness, before.settled, key[1]
             if token is not None:
                 witness = self.closer.derive(state.matcher, witness, token)
-            unfit = witness == UNKNOWN or (isinstance(witness, tuple) and len(witness) > key[1])
-            if unfit and self.closer.active(key[1]):  # a proof may have kept `token` with a shorter completion
-                found = self._fresh(state, key)
+            known = isinstance(witness, tuple)
+            # Unfit: a proof may have kept `token` with a shorter completion. Unsettled: near enough to search wide.
+            unfit = witness == UNKNOWN or (known and len(witness) > remaining)
+            unsettled = known and not settled and remaining - len(witness) < self.closer.settle
+            if (unfit or unsettled) and self.closer.active(remaining):
+                found, settled = self._fresh(state, key)
                 witness = witness if found is None else found
-            entry = state.closing[key] = [witness, None]
+                settled = settled or found is None  # a wide search that finds none is not run again
+            entry = state.closing[key] = Closing(witness, None, settled)
         return entry
 
-    def _fresh(self, state: GrammarRow, key: tuple[tuple[int, ...], int]) -> Witness | None:
+    def _fresh(self, state: GrammarRow, key: tuple[tuple[int, ...], int]) -> tuple[Witness | None, bool]:
         """`Closer.fresh` at the state `key`. At a grammar's start state the wide search runs once for all its
         rows: breadth-first and deterministic, it finds the same witness within any budget from that witness's
         length up, and none within a budget below one it found none within."""
@@ -193,8 +209,8 @@ class SpeculativeMasker:
                 self._start_witnesses.pop(next(iter(self._start_witnesses)))  # the oldest
             self._start_witnesses[state.grammar] = witness, remaining
         if witness is not None and len(witness) <= remaining:
-            return witness
-        return self.closer.search(state.matcher, remaining, *self.closer.proof)
+            return witness, True
+        return self.closer.search(state.matcher, remaining, *self.closer.proof), True
 
     def is_terminated(self, row_id: Hashable) -> bool:
         """Whether the row's grammar has accepted EOS (the request is complete)."""
@@ -261,7 +277,7 @@ class MaskWalk:
         if remaining is None:  # the budgets the rows were last given (kept by `commit`)
             remaining = [state.remaining for state in self._states]
         self._remaining = [None] * batch if masker.closer is None else list(remaining)
-        self._closing: list[list | None] = [None] * batch  # each row's closing entry at the current position
+        self._closing: list[Closing | None] = [None] * batch  # each row's closing at the current position
         self._history = [list(state.history) for state in self._states]  # + the walked tokens the grammar took
         for b, state in enumerate(self._states):
             if state.matcher is None or self._remaining[b] is None:
@@ -269,8 +285,7 @@ class MaskWalk:
                 continue
             state.remaining = self._remaining[b]  # from now on `commit` keeps it
             key = (tuple(state.history), state.remaining)
-            self._closing[b] = masker._closing(state, key, state.witness, None)
-            state.witness = self._closing[b][0]
+            state.committed = self._closing[b] = masker._closing(state, key, state.committed, None)
         self.position = 0
         self._fill_position()
 
@@ -297,8 +312,8 @@ class MaskWalk:
                     self._history[b].append(token)
             if self._remaining[b] is not None and self._walking[b]:
                 key = (tuple(self._history[b]), self._remaining[b] - self.position - 1)
-                witness = self._closing[b][0]
-                self._closing[b] = self.masker._closing(self._states[b], key, witness, None if thinking else token)
+                before = self._closing[b]
+                self._closing[b] = self.masker._closing(self._states[b], key, before, None if thinking else token)
             self._stopped[b] = self._stopped[b] or not allowed
             self.lengths[b] += not self._stopped[b]
         self.position += 1
@@ -306,7 +321,7 @@ class MaskWalk:
 
     def _must_close(self, b: int, i: int) -> bool:
         """Whether row b, thinking at position i, has just room for `</think>` and its witness's answer."""
-        witness = self._closing[b][0]
+        witness = self._closing[b].witness
         return isinstance(witness, tuple) and self._remaining[b] - i == len(witness) + 1
 
     def path(self, b: int) -> list[int]:
@@ -377,14 +392,14 @@ class MaskWalk:
                     self._flat[b * width + i].zero_()
                     set_token_bit(self._flat[b * width + i], state.tracker.markers.close_id)
                     forced = state.tracker.markers.close_id if self.detect_forced and not self._stopped[b] else -1
-            elif self._remaining[b] is not None and self._closing[b][1] is not None:  # restricted before
-                self._flat[b * width + i] = self._closing[b][1]
+            elif self._remaining[b] is not None and self._closing[b].row is not None:  # restricted before
+                self._flat[b * width + i] = self._closing[b].row
             else:
                 state.matcher.fill_bitmask(self._flat, b * width + i)
                 if self._remaining[b] is not None:
                     row = self._flat[b * width + i]
-                    self.masker.closer.restrict(row, state.matcher, self._closing[b][0], self._remaining[b] - i)
-                    self._closing[b][1] = row.clone()
+                    self.masker.closer.restrict(row, state.matcher, self._closing[b].witness, self._remaining[b] - i)
+                    self._closing[b].row = row.clone()
             grammar = state.matcher is not None and self._walking[b] and not thinking
             if grammar and self.detect_forced and not self._stopped[b]:
                 forced = single_token(self._words[b * width + i])

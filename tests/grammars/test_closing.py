@@ -83,11 +83,12 @@ def test_the_witness_of_open_brackets_closes_them_all_and_no_more(tokenizer, clo
 @given(data=st.data())
 def test_any_walk_inside_the_closing_masks_can_end_when_the_budget_runs_out(grammar, closer, tokenizer, data):
     """Whatever allowed token a row takes at each step, its grammar may end when its last token is spent; every
-    closing mask is inside the grammar's own."""
+    closing mask is inside the grammar's own; a quick search's witness is searched again wide before its slack
+    falls below the closer's `settle` (so before it could restrict a mask)."""
     new_matcher, _ = grammar
     masker = SpeculativeMasker(tokenizer.vocab_size, len(tokenizer.hf), closer=closer)
     shortest = len(closer.search(new_matcher(), 32))
-    budget = data.draw(st.integers(shortest, shortest + 10))
+    budget = data.draw(st.integers(shortest, shortest + closer.settle + 10))
     masker.add_row("r", new_matcher())
     plain = new_matcher()  # the same tokens, no closing
     bitmask, in_thinking = torch.zeros(1, 1, masker.width, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.bool)
@@ -102,8 +103,33 @@ def test_any_walk_inside_the_closing_masks_can_end_when_the_budget_runs_out(gram
         if token == tokenizer.eos_token_id:
             return
         masker.commit("r", [token])
+        committed = masker.row("r").committed
+        if isinstance(committed.witness, tuple) and not committed.settled:
+            assert remaining - 1 - len(committed.witness) >= closer.settle, "an unsettled witness near the budget"
         assert plain.accept_token(token)
     assert bool(unpack_bitmask(mask(plain, masker.width), tokenizer.vocab_size)[tokenizer.eos_token_id])
+
+
+def test_a_fresh_witness_is_quick_only_where_it_leaves_the_slack_to_settle(grammar, closer):
+    new_matcher, _ = grammar
+    matcher = new_matcher()
+    wide = closer.search(matcher, 32)
+    budget = len(wide) + closer.settle + 4
+    witness, settled = closer.fresh(matcher, budget)
+    if settled:  # the quick search found none that leaves the slack
+        assert witness == wide
+    else:
+        assert budget - len(witness) >= closer.settle and closer.ends(matcher, witness)
+    assert closer.fresh(matcher, closer.settle) == (closer.search(matcher, closer.settle), True)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_schema_with_room_to_spare_takes_the_quick_witness(tokenizer, closer, backend):
+    matcher = BACKENDS[backend].compile(GrammarSpec.json_schema(PERSON_SCHEMA), tokenizer)()
+    for token in tokenizer.encode('{"name":"Ad'):
+        assert matcher.accept_token(token)
+    witness, settled = closer.fresh(matcher, 48)
+    assert not settled and len(witness) <= 48 - closer.settle and closer.ends(matcher, witness)
 
 
 def test_a_budget_too_small_for_any_completion_leaves_the_masks_alone(grammar, closer, tokenizer):
@@ -173,6 +199,6 @@ def test_rows_of_one_grammar_search_its_start_state_once(grammar, closer, tokeni
         for masker, key in ((shared, "grammar"), (alone, None)):
             masker.add_row(row, new_matcher(), grammar=key)
             masker.fill([row], torch.zeros(1, 0, dtype=torch.int64), bitmask, in_thinking, remaining=[budget])
-            masks.append((bitmask.clone(), masker.row(row).witness))
+            masks.append((bitmask.clone(), masker.row(row).committed.witness))
         assert torch.equal(masks[0][0], masks[1][0]) and masks[0][1] == masks[1][1]
     assert len(wide) == 1 + 5  # the shared rows' one search, then each of the lone rows'
