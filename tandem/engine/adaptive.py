@@ -19,7 +19,8 @@ passes, ``J = max_b j_b``: the draft proposes only as far as the row that drafts
 passes, from the proposals' own timings; while one length alone is timed, longer ones are read at its cost, so
 the policy tries them: `AdaptivePolicy.draft_seconds`). When no row drafts (J = 0) the draft does not run: a
 draft without state needs nothing, and one that reads the target's hidden states takes the step's tokens when a row next
-drafts (`batching.defer_draft`; that proposal's first pass is wider, so its time enters no point of draft(J));
+drafts (`batching.defer_draft`; that proposal's first pass is wider, so its time enters no point of draft(J), nor
+does a proposal's after a prefill, whose first pass takes the prompt);
 over several ranks, where the ranks run such a draft, it runs its first pass anyway (J is at least 1 for it).
 A proposal left on the device (`Request.drafts_on_device`) is timed as the host launches it: the device's part
 lands in the next step's cost, whose commit waits for it, so a drafting step still pays for its proposal.

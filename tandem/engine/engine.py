@@ -661,7 +661,7 @@ class Engine:
         read to the host (or, without `read`, a deterministic draft's [B, passes] left on the device) and probs
         [B, passes, V] (None: deterministic)."""
         mark = self._mark()
-        catching_up = any(r.undrafted is not None for r in live)  # a wider first pass: no proposal's usual time
+        catching_up = any(r.undrafted is not None for r in live)  # a deferred step's tokens too: a wider first pass
         hidden_all = self._draft_hidden(out)
         follows = self.draft.follows_constraint
         draft_ids, hidden, histories, adjustments = draft_batch(
@@ -677,6 +677,8 @@ class Engine:
         )
         if self.draft_cache is not None:
             self.draft_cache.truncate(draft_ids.spans.slots, draft_ids.spans.starts)
+        # Nor does a first pass over a prompt's tokens, after its prefill, take a proposal's usual time.
+        usual = not catching_up and draft_ids.num_tokens <= len(live) * (self.max_drafts + 1)
         adjust = None if adjustments is None else adjustments.apply_after
         proposal = self._run_draft(
             DraftInput(
@@ -693,7 +695,7 @@ class Engine:
         )
         on_device = not read and proposal.probs is None
         proposed = proposal.tokens if on_device else proposal.tokens.tolist()  # one read of the device for every row
-        seconds = None if catching_up else self._elapsed(mark)
+        seconds = self._elapsed(mark) if usual else None
         if self._adaptive() and seconds is not None:
             self.policy.observe_draft_time(seconds, passes)
         self._step_timed = None if seconds is None or self._step_timed is None else self._step_timed + seconds
