@@ -661,7 +661,7 @@ class Engine:
         read to the host (or, without `read`, a deterministic draft's [B, passes] left on the device) and probs
         [B, passes, V] (None: deterministic)."""
         mark = self._mark()
-        catching_up = any(r.undrafted is not None for r in live)  # a deferred step's tokens too: a wider first pass
+        catching_up = any(r.undrafted is not None for r in live)  # read before `draft_batch` takes those tokens
         hidden_all = self._draft_hidden(out)
         follows = self.draft.follows_constraint
         draft_ids, hidden, histories, adjustments = draft_batch(
@@ -677,7 +677,8 @@ class Engine:
         )
         if self.draft_cache is not None:
             self.draft_cache.truncate(draft_ids.spans.slots, draft_ids.spans.starts)
-        # Nor does a first pass over a prompt's tokens, after its prefill, take a proposal's usual time.
+        # A first pass over more than a step's commits (a deferred step's tokens too, or a prompt's after its
+        # prefill) takes no proposal's usual time.
         usual = not catching_up and draft_ids.num_tokens <= len(live) * (self.max_drafts + 1)
         adjust = None if adjustments is None else adjustments.apply_after
         proposal = self._run_draft(
