@@ -27,10 +27,12 @@ changes every step: its plan makes the other rows padding rows (scratch slot, sc
 passes the provider ``owned`` (read from the slots buffer), with which it zeroes their attention outputs before
 the all-reduce that gives every rank every row's.
 
-- CUDA: one ``torch.cuda.CUDAGraph`` per shape, captured (over eager kernels) after an eager warm-up
-  and one on a side stream, every graph in one memory pool; the key window is a row's whole block
-  table (a graph's shapes are fixed), so attention may take cuDNN's kernel, planned in the warm-up
-  (``models.attention.graph_attention``).
+- CUDA: one ``torch.cuda.CUDAGraph`` per shape, captured after an eager warm-up and one on a side stream, every
+  graph in one memory pool; the key window is a row's whole block table (a graph's shapes are fixed), so attention
+  may take cuDNN's kernel, planned in the warm-up (``models.attention.graph_attention``). A graph captures eager
+  kernels, or with ``$TANDEM_CUDA_COMPILE_BACKEND`` (``inductor``) the body compiled by ``torch.compile`` with
+  that backend (``fullgraph=True``, shapes static), which fuses the elementwise kernels between the matmuls: fewer
+  and shorter kernels for the device, at a compile per shape at start (kept in the persistent cache below).
 - CPU: ``torch.compile(fullgraph=True)`` per shape and torch thread count (backend ``inductor``, or
   ``$TANDEM_COMPILE_BACKEND``: tests use ``aot_eager`` or ``eager``), its generated code kept in a persistent
   cache (``$TORCHINDUCTOR_CACHE_DIR``, default ``~/.cache/tandem/inductor``) so a restart does not
@@ -62,7 +64,8 @@ from tandem.models.base import ForwardBatch, KVCache, RowSpans, TargetOutput
 
 GRAPH_MODES = ("auto", "eager", "compiled")
 AUTO_GRAPH_MODE = {"cuda": "compiled", "cpu": "eager"}  # "auto" per device type (README, graph mode)
-BACKEND_ENV = "TANDEM_COMPILE_BACKEND"
+BACKEND_ENV = "TANDEM_COMPILE_BACKEND"  # the CPU's torch.compile backend (default inductor)
+CUDA_BACKEND_ENV = "TANDEM_CUDA_COMPILE_BACKEND"  # a torch.compile backend inside CUDA graphs (default: none)
 CACHE_DIR = Path.home() / ".cache" / "tandem" / "inductor"  # TORCHINDUCTOR_CACHE_DIR unless the user set it
 
 
@@ -133,7 +136,11 @@ class GraphRunner:
         # Data-parallel attention (DeepSeek-V3 over several ranks): this rank attends only the rows of its slots.
         self.data_parallel = getattr(target, "data_parallel_attention", False)
         self.owns = target.shard.owns_slot if self.data_parallel else lambda slot: True
-        self.backend = backend or os.environ.get(BACKEND_ENV, "inductor")
+        # torch.compile's backend: on the CPU the graphs', on CUDA the captured bodies' (None: eager kernels)
+        if self.cuda:
+            self.backend = backend or os.environ.get(CUDA_BACKEND_ENV) or None
+        else:
+            self.backend = backend or os.environ.get(BACKEND_ENV, "inductor")
         # Before inductor first asks for its cache (it would then fix its default under /tmp) and not at import:
         # setting it is graph mode's business, and a user's setting stands.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR))
@@ -492,21 +499,22 @@ class GraphRunner:
     def _build(self, body: Callable, args: tuple) -> tuple[Callable, object]:
         """The graph of ``body`` over ``args`` (the buffers' views) and its first outputs."""
         if not self.cuda:
-            compiled = torch.compile(body, fullgraph=True, backend=self.backend)
+            compiled = _compiled(body, self.backend)
 
             def run(current: tuple):
                 # Marked at every call: a graph dynamo ever rebuilds (a guard failed) keeps the window dynamic.
                 torch._dynamo.maybe_mark_dynamic(current[4], 1)
-                with _static_shapes():
-                    return compiled(*current)
+                return compiled(*current)
 
             out = run(args)
 
             return run, out
+        if self.backend is not None:
+            body = _compiled(body, self.backend)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            body(*args)
+            body(*args)  # compiles, where it is compiled (and tunes its kernels)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         # Capture starts by releasing the allocator's unused cache (an earlier engine's freed memory, say), which
         # would come off the pool's growth: release it first. (No garbage collection here: with a large heap one costs
@@ -528,6 +536,17 @@ class GraphRunner:
 def _rows(out: Tensor, grid: Tensor | None) -> Tensor:
     """The batch's tokens ``[T, ...]`` of a graph's grid output ``[B_bucket * Q, ...]``."""
     return out if grid is None else out[grid]
+
+
+def _compiled(body: Callable, backend: str) -> Callable:
+    """``body`` compiled whole (``fullgraph``: a graph break fails) by ``backend``, under :func:`_static_shapes`."""
+    compiled = torch.compile(body, fullgraph=True, backend=backend)
+
+    def run(*args):
+        with _static_shapes():
+            return compiled(*args)
+
+    return run
 
 
 def _static_shapes():

@@ -242,7 +242,31 @@ def paged_attention_triton(
 
     Returns:
         ``[B, Q, nh, Dv]`` in the query's dtype.
+
+    Traced by ``torch.compile``, it is the custom op ``torch.ops.tandem.paged_attention`` (its arguments are
+    opaque to tracing: the kernel's choices read the caches' addresses and the device's properties).
     """
+    if torch.compiler.is_compiling():
+        return paged_attention_op(
+            query, key_cache, value_cache, tables, positions, scale, key_start, key_end, key_offset, splits
+        )
+    return _paged_attention(
+        query, key_cache, value_cache, tables, positions, scale, key_start, key_end, key_offset, splits
+    )
+
+
+def _paged_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    tables: Tensor,
+    positions: Tensor,
+    scale: float,
+    key_start: int,
+    key_end: int,
+    key_offset: int,
+    splits: int | None,
+) -> Tensor:
     rows, width, num_heads, dim_k = query.shape
     num_kv_heads, dim_v = value_cache.shape[2], value_cache.shape[3]
     if num_heads % num_kv_heads or key_cache.shape[2] != num_kv_heads or key_cache.shape[3] != dim_k:
@@ -287,3 +311,27 @@ def paged_attention_triton(
             num_warps=4 if tiles["BLOCK_DV"] <= 128 else 8,
         )  # fmt: skip
     return out
+
+
+@torch.library.custom_op("tandem::paged_attention", mutates_args=())
+def paged_attention_op(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    tables: Tensor,
+    positions: Tensor,
+    scale: float,
+    key_start: int,
+    key_end: int,
+    key_offset: int,
+    splits: int | None,
+) -> Tensor:
+    """:func:`paged_attention_triton` as a custom op, what a compiled graph calls."""
+    return _paged_attention(
+        query, key_cache, value_cache, tables, positions, scale, key_start, key_end, key_offset, splits
+    )
+
+
+@paged_attention_op.register_fake
+def _(query, key_cache, value_cache, tables, positions, scale, key_start, key_end, key_offset, splits) -> Tensor:
+    return query.new_empty(*query.shape[:3], value_cache.shape[3])

@@ -37,7 +37,6 @@ reference the kernel is tested against, and the CPU's path.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -73,9 +72,7 @@ attention_backend = os.environ.get(ATTENTION_ENV, "auto")
 FOLD_MAX_QUERY = 16
 
 
-@functools.cache
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None  # a constant: compiled bodies read it
 
 
 def uses_kernel(x: Tensor) -> bool:
@@ -83,7 +80,7 @@ def uses_kernel(x: Tensor) -> bool:
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"${ATTENTION_ENV} must be one of {', '.join(ATTENTION_BACKENDS)}; got {attention_backend!r}")
     if attention_backend == "auto":
-        return x.device.type == "cuda" and _triton_available()
+        return x.device.type == "cuda" and TRITON_AVAILABLE
     return attention_backend == "triton"
 
 

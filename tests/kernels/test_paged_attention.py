@@ -124,6 +124,33 @@ def test_splitting_the_keys_combines_to_one_softmax(splits, monkeypatch):
     torch.testing.assert_close(layout.from_grid(got), expected, **TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("latent", [False, True], ids=["llama", "mla"])
+def test_the_kernel_is_a_custom_op_that_compiles_whole(latent, monkeypatch):
+    """Traced by torch.compile, the kernel is ``tandem::paged_attention`` (the eager launch reads the caches'
+    addresses, which tracing cannot): its fake kernel passes ``opcheck``, and graph mode's static layout attends
+    whole (``fullgraph``) with eager's outputs, over Llama's key and value views and MLA's latent one."""
+    monkeypatch.setattr(attention, "attention_backend", "triton")
+    ends, width, dim = [13, 30], 3, 24
+    cache, generator = _scattered_cache(ends, 4, (dim,) if latent else (2, 2, dim), torch.float32)
+    pool = cache.layers[0]
+    keys, values = (pool[:, :, None], pool[:, :, None, :16]) if latent else (pool[:, :, 0], pool[:, :, 1])
+    tables = cache.table.sync()
+    positions = torch.tensor([[e - width + j for j in range(width)] for e in ends], device=DEVICE)
+    q = _randn(6, 4, dim, generator=generator)
+    layout = RaggedLayout.static(positions, torch.zeros(6, dtype=torch.int64, device=DEVICE), tables, 0, 4)
+
+    def attend(q, keys, values, positions, tables):
+        layout = RaggedLayout.static(positions, positions.flatten(), tables, 0, 4)
+        return layout.attend_paged(q, keys, values, 0.25)
+
+    args = (layout.to_grid(q), keys, values, tables, positions, 0.25, 0, 32, 0, None)
+    torch.library.opcheck(torch.ops.tandem.paged_attention.default, args)
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(
+        compiled(q, keys, values, positions, tables), attend(q, keys, values, positions, tables), atol=0, rtol=0
+    )
+
+
 @settings(max_examples=12)
 @given(
     rows=st.lists(st.tuples(st.integers(1, 70), st.integers(1, 6)), min_size=1, max_size=3),
