@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # What only a GPU shows, in one run of under 10 minutes: the GPU tests (`pytest -m gpu`), the Llama-3.1-8B-shaped
-# target against the memory roofline and transformers, per attention kernel (benchmarks/large_target.py), the
+# target against the memory roofline and transformers, with graphs over eager kernels and over inductor's, with and
+# without async scheduling (benchmarks/large_target.py; the paged-attention kernel, s41 measured the others), the
 # paged-attention kernel against gather + sdpa for Llama's heads and MLA's latent (benchmarks/paged_attention.py),
-# graph mode's step times on both demo targets (benchmarks/graph_steps.py; eager steps are bound by the host, 10-20x
-# their device time in s39's run), what adaptive speculation chooses (benchmarks/adaptive.py), and speculative vs
-# plain decoding on the demo prompts in graph mode (`tandem bench`); all parts by default. Each part has its own
-# time limit, so one that hangs leaves the others their time; each writes its log to $OUT (default ./gpu-out) and
-# prints its exit status and last lines.
+# graph mode's step times on both demo targets, plain with async scheduling too (benchmarks/graph_steps.py; eager
+# steps are bound by the host, 10-20x their device time in s39's run), plain decoding with and without async
+# scheduling interleaved in one process (benchmarks/async_scheduling.py), what adaptive speculation chooses
+# (benchmarks/adaptive.py), and speculative vs plain decoding on the demo prompts in graph mode (`tandem bench`);
+# all parts by default. Each part has its own time limit, so one that hangs leaves the others their time; each
+# writes its log to $OUT (default ./gpu-out) and prints its exit status and last lines.
 #
-#   bash benchmarks/gpu.sh [part ...]  # parts: tests large_target paged_attention paged_latent graph_steps adaptive bench
+#   bash benchmarks/gpu.sh [part ...]  # parts: tests large_target paged_attention paged_latent graph_steps async
+#                                      #        adaptive bench
 set -u
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -27,17 +30,18 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND under a time limit, its ou
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"
-parts=${*:-tests large_target paged_attention paged_latent graph_steps adaptive bench}
+parts=${*:-tests large_target paged_attention paged_latent graph_steps async adaptive bench}
 for name in $parts; do
     case $name in
     tests) part tests 210 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine/test_graphs.py \
         tests/engine/test_device_reads.py tests/grammars/test_mask_pipeline.py tests/core/test_transfer.py ;;
-    graph_steps) part graph_steps 60 python3 benchmarks/graph_steps.py --graph-mode compiled --steps 24 --warmup 24 \
-        --host-profile "$out/host_profile.txt" ;;
-    large_target) part large_target 110 python3 benchmarks/large_target.py ;;
+    graph_steps) part graph_steps 90 python3 benchmarks/graph_steps.py --graph-mode compiled --steps 24 --warmup 24 \
+        --async-scheduling --host-profile "$out/host_profile.txt" ;;
+    large_target) part large_target 280 python3 benchmarks/large_target.py --attention triton ;;
     adaptive) part adaptive 90 python3 benchmarks/adaptive.py --device cuda --dtype bfloat16 --graph-mode compiled ;;
     bench) part bench 180 python3 -m tandem.cli bench --device cuda --dtype bfloat16 --graph-mode compiled \
         --drafts eagle3 mtp --k 4 --batch 1 --prompts 4 --max-tokens 64 --repeats 2 --json --progress on ;;
+    async) part async 90 python3 benchmarks/async_scheduling.py ;;
     paged_attention) part paged_attention 70 python3 benchmarks/paged_attention.py ;;
     paged_latent) part paged_latent 100 python3 benchmarks/paged_attention.py --mla --heads 128 --head-dim 576 \
         --value-dim 512 --contexts 4096 16384 --prefill 0 --mla-tiles padded 64x32x8 ;;

@@ -3,7 +3,8 @@
     python benchmarks/graph_steps.py [--device cuda] [--dtype bfloat16] [--batch 1 8] [--steps 32] [--k 4]
 
 For each demo target with its draft (demo-llama + EAGLE-3, demo-deepseek + MTP), batch size and graph mode,
-the plain path and the speculative one (``--k`` drafts): rows that cannot finish inside the run (``ignore_eos``,
+the plain path (and with ``--async-scheduling`` the plain path with async scheduling, ``plain-async``) and the
+speculative one (``--k`` drafts): rows that cannot finish inside the run (``ignore_eos``,
 ``max_tokens`` past it) take ``--warmup`` steps, which build every graph the run
 needs, then ``--steps`` timed steps. ``wall_ms`` is a step's wall time (unprofiled), ``device_ms`` the
 device's busy time per step over as many further steps under the profiler (the union of kernel intervals
@@ -48,16 +49,17 @@ def _steps(engine, steps: int) -> int:
     return sum(len(delta.token_ids) for _ in range(steps) for delta in engine.step())
 
 
-def _device_ms(engine, steps: int) -> float:
-    """The device's busy milliseconds per step over ``steps`` profiled steps."""
+def _device_ms(engine, steps: int, top: int = 0) -> tuple[float, dict]:
+    """The device's busy milliseconds per step over ``steps`` profiled steps, and the trace's summary (with its
+    ``top`` kernels)."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _steps(engine, steps)
         sync(engine.device)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        summary = trace_summary(json.loads(path.read_text()))
-    return summary.get("device_busy_us", 0.0) / 1000 / steps
+        summary = trace_summary(json.loads(path.read_text()), top)
+    return summary.get("device_busy_us", 0.0) / 1000 / steps, summary
 
 
 def _host_profile(engine, steps: int) -> str:
@@ -90,8 +92,14 @@ def measure_case(engine, prompts: list[list[int]], args) -> dict:
         "graphs_built_while_timed": int(runner is not None and runner.compile_s != built),
     }
     if engine.device.type == "cuda":
-        device_ms = _device_ms(engine, args.steps)
+        top = getattr(args, "top_kernels", 0)
+        device_ms, summary = _device_ms(engine, args.steps, top)
         row |= {"device_ms": round(device_ms, 3), "wall_over_device": round(wall_ms / max(device_ms, 1e-9), 3)}
+        if top:  # per step
+            row["kernels_per_step"] = round(summary["kernels"] / args.steps, 1)
+            row["top_kernels_us_per_step"] = {
+                name: round(us / args.steps, 1) for name, (_, us) in summary["top_kernels"].items()
+            }
     if runner is not None:
         row |= {"compile_s": round(runner.compile_s, 2), "graph_mib": round(runner.graph_bytes / 2**20, 1)}
     if getattr(args, "host_profile", None) is not None:
@@ -112,6 +120,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8, help="steps before timing: prefill and graph builds")
     parser.add_argument("--steps", type=int, default=32, help="timed steps (and as many profiled)")
     parser.add_argument("--host-profile", type=Path, default=None, help="a file for each case's cProfile top 30")
+    parser.add_argument("--async-scheduling", action="store_true", help="also plain decoding with async scheduling")
     args = parser.parse_args()
     if args.host_profile is not None:
         args.host_profile = args.host_profile.open("w")
@@ -121,7 +130,8 @@ def main() -> None:
         report["gpu"] = torch.cuda.get_device_name(args.device)
     examples = generate_examples(max(args.batch), seed=1, split="heldout")
     for model in args.models:
-        for draft in (None, PAIRS[model]):
+        paths = [(None, False), *([(None, True)] if args.async_scheduling else []), (PAIRS[model], False)]
+        for draft, overlap in paths:
             for mode in args.graph_mode:
                 llm = LLM(
                     model,
@@ -131,10 +141,12 @@ def main() -> None:
                     dtype=DTYPES[args.dtype],
                     max_num_seqs=max(args.batch),
                     graph_mode=mode,
+                    async_scheduling=overlap,
                 )
                 prompts = [chat_prompt_ids(llm.tokenizer, ex.messages, ex.tools) for ex in examples]
+                path = draft or ("plain-async" if overlap else "plain")
                 for batch in args.batch:
-                    row = {"model": model, "draft": draft or "plain", "graph_mode": mode, "batch": batch}
+                    row = {"model": model, "draft": path, "graph_mode": mode, "batch": batch}
                     if args.host_profile is not None:
                         args.host_profile.write(f"\n==== {json.dumps(row)}\n")
                     row |= measure_case(llm.engine, prompts[:batch], args)
@@ -146,12 +158,17 @@ def main() -> None:
 
 
 def _ratios(cases: list[dict]) -> list[dict]:
-    """Speculative over plain (same model, mode, batch) and compiled over eager (same model, path, batch)."""
+    """Speculative (and async plain) over plain (same model, mode, batch) and compiled over eager (same model, path,
+    batch)."""
     rate = {(c["model"], c["draft"], c["graph_mode"], c["batch"]): c["tokens_per_s"] for c in cases}
     ratios = []
     for (model, draft, mode, batch), value in rate.items():
         plain = rate.get((model, "plain", mode, batch))
-        if draft != "plain" and plain:
+        if draft == "plain-async" and plain:
+            ratios.append(
+                {"model": model, "graph_mode": mode, "batch": batch, "async_over_sync": round(value / plain, 3)}
+            )
+        elif draft != "plain" and plain:
             ratios.append({"model": model, "draft": draft, "graph_mode": mode, "batch": batch,
                            "speculative_over_plain": round(value / plain, 3)})  # fmt: skip
         eager = rate.get((model, draft, "eager", batch))

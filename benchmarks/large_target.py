@@ -13,7 +13,12 @@ the same weights, handed over key by key as a checkpoint's would be. Then, in on
   row that ignores EOS): ``wall_ms`` and ``device_ms`` per step (``graph_steps.measure_case``),
   ``tokens_per_s`` and its share of the roofline's. Graph mode runs once per ``--attention``: ``cudnn``
   (the default: sdpa, cuDNN's kernel inside graphs), ``sdpa`` (sdpa's flash and memory-efficient kernels
-  only) and ``triton`` (the paged-attention kernel, ``TANDEM_ATTENTION=auto``);
+  only) and ``triton`` (the paged-attention kernel, ``TANDEM_ATTENTION=auto``), and per ``--cuda-compile``:
+  ``none``, graphs over eager kernels, or ``inductor``, over the body compiled by inductor
+  (``$TANDEM_CUDA_COMPILE_BACKEND``; the case's key ends in ``_inductor``). Each graph-mode case names its
+  ``--top-kernels`` heaviest kernels (microseconds per step) and its kernels per step; and per
+  ``--async-scheduling`` (``on``: the case's key ends in ``_async``), each step launched before the last one's
+  token is read;
 - transformers: ``generate`` (greedy, ``min_new_tokens`` = ``max_new_tokens`` = ``--tokens``) with a static
   cache, which compiles its forward with torch.compile; tokens/s of a second call (the first compiles),
   prefill included, and tandem's end-to-end tokens/s for the same prompt and tokens beside it.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from types import SimpleNamespace
 
@@ -34,6 +40,7 @@ from graph_steps import measure_case, sync
 
 from tandem import SamplingParams
 from tandem.engine.engine import Engine, EngineConfig
+from tandem.engine.graphs import CUDA_BACKEND_ENV
 from tandem.llm import ASSETS_DIR
 from tandem.models import attention, llama3
 from tandem.models.config import LlamaConfig
@@ -103,8 +110,14 @@ ATTENTION = {
 }
 
 
-def tandem_engine(target, tokenizer, mode: str, max_len: int) -> Engine:
-    config = EngineConfig(max_num_seqs=1, max_model_len=max_len, graph_mode=mode, enable_prefix_caching=False)
+def tandem_engine(target, tokenizer, mode: str, max_len: int, async_scheduling: bool = False) -> Engine:
+    config = EngineConfig(
+        max_num_seqs=1,
+        max_model_len=max_len,
+        graph_mode=mode,
+        enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
+    )
     return Engine(target, None, tokenizer, config)
 
 
@@ -145,6 +158,9 @@ def main() -> None:
     parser.add_argument("--copy-gib", type=float, default=4.0)
     parser.add_argument("--graph-mode", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
     parser.add_argument("--attention", nargs="+", choices=sorted(ATTENTION), default=["cudnn", "sdpa", "triton"])
+    parser.add_argument("--cuda-compile", nargs="+", choices=["none", "inductor"], default=["none", "inductor"])
+    parser.add_argument("--top-kernels", type=int, default=8, help="graph-mode cases: the heaviest kernels named")
+    parser.add_argument("--async-scheduling", nargs="+", choices=["off", "on"], default=["off", "on"])
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), torch.bfloat16
@@ -161,16 +177,23 @@ def main() -> None:
     print(json.dumps(report), flush=True)
     tokenizer = load_tokenizer(ASSETS_DIR / "demo-llama")
     prompt = torch.randint(len(tokenizer), (32,), generator=torch.Generator().manual_seed(1)).tolist()
-    timing = SimpleNamespace(warmup=4, steps=args.steps, k=0)
-    max_len = len(prompt) + max(args.tokens, timing.warmup + 3 * args.steps) + 8
-    cases = {  # the report's key -> graph mode, attention
-        f"tandem_{mode}" + (f"_{name}" if mode == "compiled" else ""): (mode, name)
-        for mode in args.graph_mode
-        for name in (args.attention if mode == "compiled" else ["cudnn"])
-    }
-    for path, (mode, name) in cases.items():
+    max_len = len(prompt) + max(args.tokens, 4 + 3 * args.steps) + 8
+    cases = {}  # the report's key -> graph mode, attention, the backend compiled inside CUDA graphs
+    for mode in args.graph_mode:
+        for name in args.attention if mode == "compiled" else ["cudnn"]:
+            for inside in args.cuda_compile if mode == "compiled" else ["none"]:
+                for overlap in args.async_scheduling:
+                    key = f"tandem_{mode}" + (f"_{name}" if mode == "compiled" else "")
+                    key += ("" if inside == "none" else f"_{inside}") + ("_async" if overlap == "on" else "")
+                    cases[key] = mode, name, inside, overlap == "on"
+    for path, (mode, name, inside, overlap) in cases.items():
         attention.attention_backend, attention.GRAPH_SDPA_BACKENDS = ATTENTION[name]
-        engine = tandem_engine(target, tokenizer, mode, max_len)
+        os.environ.pop(CUDA_BACKEND_ENV, None)
+        if inside != "none":
+            os.environ[CUDA_BACKEND_ENV] = inside
+        engine = tandem_engine(target, tokenizer, mode, max_len, overlap)
+        top = args.top_kernels if mode == "compiled" else 0
+        timing = SimpleNamespace(warmup=4, steps=args.steps, k=0, top_kernels=top)
         row = {"path": path, **measure_case(engine, [prompt], timing)}
         row["end_to_end_tokens_per_s"] = round(args.tokens / end_to_end_s(engine, prompt, args.tokens), 1)
         if "roofline_tokens_per_s" in report:

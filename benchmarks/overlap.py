@@ -45,8 +45,9 @@ def _covered(start: float, end: float, intervals: list[tuple[float, float]]) -> 
     return covered
 
 
-def trace_summary(trace: dict) -> dict:
-    """Copies per stream and their overlap with kernels on other streams; the device's busy fraction."""
+def trace_summary(trace: dict, top: int = 0) -> dict:
+    """Copies per stream and their overlap with kernels on other streams; the device's busy fraction; with ``top``,
+    the kernels that took the most device time (name: launches and microseconds, in all)."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")]
     kernels = [e for e in events if e["cat"] == "kernel"]
     copies = [e for e in events if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]]
@@ -66,13 +67,19 @@ def trace_summary(trace: dict) -> dict:
         return {"kernels": 0}  # no device activity (a CPU run)
     start, end = span[0][0], max(b for _, b in span)
     busy = _covered(start, end, _intervals(kernels))
+    by_name: dict[str, list] = {}
+    for kernel in kernels:
+        entry = by_name.setdefault(kernel["name"][:80], [0, 0.0])
+        entry[0] += 1
+        entry[1] += kernel["dur"]
+    heaviest = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
     return {
         "kernels": len(kernels),
         "window_us": round(end - start, 1),
         "device_busy_fraction": round(busy / (end - start), 3),
         "device_busy_us": round(busy, 1),
         "htod_copies_by_stream": {str(s): row for s, row in streams.items()},
-    }
+    } | ({"top_kernels": {name: [n, round(us, 1)] for name, (n, us) in heaviest}} if top else {})
 
 
 def main() -> None:

@@ -46,6 +46,9 @@ class LLM:
         prompt reuses the cached blocks of its longest prefix seen before (`Engine.kv_stats` counts the hits).
     max_num_batched_tokens: the tokens one step feeds; a longer prefill goes in chunks between the running
         rows' steps (None: whole prompts in one step).
+    async_scheduling: launch each plain decode step before reading the last one's tokens, so the host's work
+        runs while the device computes (:mod:`tandem.engine.in_flight`; vLLM's ``--async-scheduling``); for a
+        model without a draft on one device. Outputs are the synchronous engine's.
     adaptive: choose each greedy row's drafts per step (0..num_speculative_tokens) from its acceptance and the
         measured cost of a verify (:mod:`tandem.engine.adaptive`); False: always num_speculative_tokens.
     tensor_parallel_size, data_parallel_size, enable_expert_parallel: the target over several processes
@@ -79,6 +82,7 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int | None = 2048,
+        async_scheduling: bool = False,
         adaptive: bool = True,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
@@ -144,6 +148,7 @@ class LLM:
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,
                 max_num_batched_tokens=max_num_batched_tokens,
+                async_scheduling=async_scheduling,
                 adaptive=adaptive,
                 eos_token_ids=generation_eos_ids(self.model_path),
             ),

@@ -55,6 +55,8 @@ def test_trace_summary_counts_copy_time_hidden_behind_other_streams_kernels():
         "7": {"copies": 1, "copy_us": 4, "overlapped_fraction": 0.0},
     }
     assert overlap.trace_summary({"traceEvents": []}) == {"kernels": 0}
+    trace["traceEvents"].append(_event("kernel", 50, 3, 7, "rms_norm"))
+    assert overlap.trace_summary(trace, top=1)["top_kernels"] == {"k": [2, 20.0]}  # the heaviest by time
 
 
 class _RecordingClient:
@@ -104,10 +106,23 @@ def test_graph_steps_times_rows_that_run_through_eos_and_leaves_the_engine_empty
     assert not llm.engine.has_unfinished()
     rates = [("plain", "eager", 10), ("plain", "compiled", 20), ("eagle3", "eager", 25), ("eagle3", "compiled", 60)]
     cases = [{"model": "m", "draft": d, "graph_mode": g, "batch": 1, "tokens_per_s": r} for d, g, r in rates]
-    ratios = {(r["draft"], r.get("graph_mode")): r for r in graph_steps._ratios(cases)}
+    cases.append({"model": "m", "draft": "plain-async", "graph_mode": "compiled", "batch": 1, "tokens_per_s": 30})
+    ratios = {(r.get("draft"), r.get("graph_mode")): r for r in graph_steps._ratios(cases)}
+    assert ratios[None, "compiled"]["async_over_sync"] == 1.5
     assert ratios["eagle3", "eager"]["speculative_over_plain"] == 2.5
     assert ratios["eagle3", "compiled"]["speculative_over_plain"] == 3.0
     assert ratios["eagle3", None]["compiled_over_eager"] == 2.4 and ratios["plain", None]["compiled_over_eager"] == 2.0
+
+
+def test_the_async_scheduling_benchmark_interleaves_both_engines_over_the_same_tokens(capsys):
+    import json
+
+    benchmark = _script("async_scheduling")
+    argv = "--device cpu --dtype float32 --models demo-llama --batch 2 --graph-mode eager --rounds 2 --steps 6"
+    assert benchmark.main(argv.split()) == 0
+    (case,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cases"]
+    assert case["exact"] and case["async"]["read_wait_ms"] >= 0 and case["sync"]["tokens_per_s"] > 0
+    assert case["async_over_sync"] == round(case["async"]["tokens_per_s"] / case["sync"]["tokens_per_s"], 3)
 
 
 def test_the_adaptive_benchmark_reports_each_case_and_what_the_policy_chose(monkeypatch, capsys):

@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         adaptive=args.adaptive,
         graph_mode=args.graph_mode,
+        async_scheduling=args.async_scheduling,
         revision=args.revision,
         **parallel_settings(args),
     )

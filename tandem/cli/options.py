@@ -17,8 +17,9 @@ def positive_int(text: str) -> int:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--model`, `--revision`, `--draft`, `-k`, `--adaptive`, `--graph-mode` and the parallel layout: the target
-    (and its hub revision), its draft, the drafts per step, how steps run and over how many processes."""
+    """`--model`, `--revision`, `--draft`, `-k`, `--adaptive`, `--graph-mode`, `--async-scheduling` and the parallel
+    layout: the target (and its hub revision), its draft, the drafts per step, how steps run and over how many
+    processes."""
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -40,6 +41,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="choose each greedy row's drafts (0..k) every step so speculation never costs time (--no-adaptive: k)",
     )
     add_graph_mode_argument(parser)
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="launch each plain decode step before reading the last one's tokens (a model without draft: --draft none)",
+    )
     add_parallel_arguments(parser)
 
 

@@ -93,6 +93,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         adaptive=args.adaptive,
         max_num_seqs=args.max_num_seqs,
         graph_mode=args.graph_mode,
+        async_scheduling=args.async_scheduling,
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -63,6 +63,10 @@ copy goes through pinned memory without waiting (`tandem.core.transfer`; `tests/
 the reads of a step on CUDA). What the verify needs (batch, graph plan, drafts, penalties) and what the proposal needs
 each travel in one staged copy (`batching`; sampling tables too), so a step copies to the device twice, greedy or
 sampled (`tests/engine/test_step_copies.py` counts them).
+
+Async scheduling (`EngineConfig.async_scheduling`, `in_flight`): a step of plain, unconstrained decode rows is
+launched before the previous step's tokens are read, fed them on the device; its read then waits for that previous
+step only, and its commit runs while the device computes.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ from tandem.engine import sampling
 from tandem.engine.adaptive import AdaptivePolicy, CostModel, draft_passes
 from tandem.engine.batching import VerifyInputs, defer_draft, draft_batch, forced_draft_probs, verify_inputs
 from tandem.engine.graphs import GraphRunner, resolve_capture_sizes, resolve_graph_mode
+from tandem.engine.in_flight import InFlight
 from tandem.engine.kv_blocks import BlockPool, KVStats
 from tandem.engine.mask_pipeline import MaskPipeline
 from tandem.engine.masks import StepMasks
@@ -122,6 +127,7 @@ class EngineConfig:
     capture_at_start: bool | None = None  # build every graph at start (None: on CUDA; CPU compiles build on first use)
     eos_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS: generation_config.json's (engine/stop.py)
     max_num_batched_tokens: int | None = 2048  # tokens one step feeds; longer prefills go in chunks (None: whole)
+    async_scheduling: bool = False  # launch a plain decode step before reading the last one's tokens (in_flight.py)
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens"):
@@ -149,6 +155,11 @@ class Engine:
         self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
         self.workers = workers  # the other ranks of a parallel target (engine/workers.py), None on one device
         check_speculation(draft is not None, config.num_speculative_tokens)
+        if config.async_scheduling and (draft is not None or workers is not None):
+            raise ValueError(
+                "async_scheduling overlaps plain decode steps of one device: it needs an engine without a draft "
+                f"and without parallel ranks (draft: {type(draft).__name__}, ranks: {workers is not None})"
+            )
         self.k = config.num_speculative_tokens if draft is not None else 0
         self.forced_drafts = config.forced_drafts and draft is not None
         self.max_drafts = self.k + (config.max_forced_drafts if self.forced_drafts else 0)  # the widest verify - 1
@@ -262,6 +273,8 @@ class Engine:
         # The current (or last) step's start (`_mark`) and its seconds that entered the policy's models (verify and
         # proposal; None: not all timed); the next step's start gives the rest of its period (the policy's overhead).
         self._step_mark, self._step_timed = self._mark(), None
+        self._in_flight: InFlight | None = None  # async scheduling's launched, unread step (in_flight.py)
+        self.overlapped_steps = 0  # steps launched before the last one's tokens were read
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -330,6 +343,9 @@ class Engine:
             if period is not None:
                 self.policy.observe_overhead(period - self._step_timed)
         self._step_mark, self._step_timed = self._mark(), None
+        if self._in_flight is not None and not self._continues(self._in_flight):
+            in_flight, self._in_flight = self._in_flight, None
+            return self._commit_in_flight(in_flight, continuing=False)
         rows = self.scheduler.schedule()
         if not rows:
             if self.scheduler.waiting:  # only grammars still compiling: yield the CPU to their workers
@@ -337,6 +353,8 @@ class Engine:
             return []
         k = self._step_k(rows)
         ends = [self.scheduler.chunk_ends.get(r.request_id) for r in rows]
+        if self._overlaps(rows, k, ends):
+            return self._overlapped_step(rows)
         held = [self.target_cache.lengths[r.slot] for r in rows]
         inputs = verify_inputs(
             rows,
@@ -502,7 +520,7 @@ class Engine:
                 bitmask = None if bitmask is None else bitmask[:, : k + 1]
                 in_thinking = None if in_thinking is None else in_thinking[:, : k + 1]
             result = self._accept(full, scores, drafts, bitmask, in_thinking, inputs.sampling)
-            deltas = self._commit(full, result, logits)
+            deltas = self._commit(full, result.to_host(), logits)
         seconds = None if prefill else self._elapsed(self._step_mark)
         if self.policy is not None and seconds is not None:
             self.policy.cost.observe(batch.num_tokens, seconds)
@@ -511,18 +529,95 @@ class Engine:
             self._propose([r for r in full if r.output.finish_reason is None], rows, out, batch)
         if chunked and self.draft_cache is not None:
             self._fill_draft([rows[b] for b in chunked], rows, out, batch)
+        self._register_blocks(rows)
+        if not self.scheduler.running:  # the engine may idle before its next step: that wait is no step's
+            self._step_timed = None
+        return deltas
+
+    def _register_blocks(self, rows: list[Request]) -> None:
+        """After a step: each live row (finished rows gave their blocks back) registers its full committed blocks
+        and gives back those past its tokens. A block holds the target's and the draft's entries: registered up to
+        a chunk's end, else len(r.tokens) - 1 (an in-flight step's placeholder is the last token), and no further
+        than the draft has taken; a chunked row keeps the blocks of the prompt to come."""
         for r in rows:
-            if r.slot >= 0:  # live (finished rows gave their blocks back)
-                # A block holds the target's and the draft's entries: registered up to a chunk's end, else
-                # len(r.tokens) - 1, and no further than the draft has taken; a chunked row keeps the blocks of the
-                # prompt to come.
+            if r.slot >= 0:
                 held = self.target_cache.lengths[r.slot]
                 if r.undrafted is not None:
                     held = min(held, r.undrafted.start)
                 self.blocks.register(r.slot, r.tokens, held)
                 self.blocks.trim(r.slot, len(r.tokens))
-        if not self.scheduler.running:  # the engine may idle before its next step: that wait is no step's
-            self._step_timed = None
+
+    # ---------------------------------------------------------------- async scheduling (in_flight.py)
+    def _overlaps(self, rows: list[Request], k: int, ends: list[int | None]) -> bool:
+        """Whether this step launches without reading back: async scheduling's plain decode step, every row
+        decoding one unconstrained token that nothing on the host adjusts or reads but the commit."""
+        if not self.config.async_scheduling or k > 0 or any(end is not None for end in ends):
+            return False
+        if self._in_flight is not None:  # `_continues` held: the same rows, nothing admitted or preempted
+            assert rows == self._in_flight.rows, "async scheduling: the rows changed under an in-flight step"
+            return True
+        return not self.step_masks.has_grammar(rows) and all(
+            self.target_cache.lengths[r.slot] == len(r.tokens) - 1
+            and r.params.logprobs is None
+            and not r.params.adjusts_logits
+            for r in rows
+        )
+
+    def _continues(self, in_flight: InFlight) -> bool:
+        """Whether the next step may launch before ``in_flight``'s tokens are read: the same rows run (none
+        finished or aborted, none to be admitted: requests may wait while every slot is taken), none reaches
+        max_tokens or the context with the in-flight token (it finishes then), and every row's next block fits
+        without a preemption."""
+        rows = in_flight.rows
+        if self.scheduler.may_admit() or self.scheduler.running != rows:
+            return False
+        if any(r.num_generated >= r.params.max_tokens or len(r.tokens) >= self.config.max_model_len for r in rows):
+            return False
+        return self.blocks.can_grow({r.slot: self._reserve(r) for r in rows})
+
+    def _overlapped_step(self, rows: list[Request]) -> list[StreamDelta]:
+        """Launch a plain decode step over `rows` (fed the in-flight step's tokens on the device, if one runs),
+        then read and commit the in-flight step while the device runs this one; returns its deltas."""
+        previous = self._in_flight
+        held = [self.target_cache.lengths[r.slot] for r in rows]
+        inputs = verify_inputs(
+            rows,
+            0,
+            self.k,
+            held,
+            self.device,
+            vocab_size=self.target.vocab_size,
+            runner=self.runner,
+            cache=self.target_cache,
+        )
+        if previous is not None:  # each row feeds its in-flight token, a placeholder on the host
+            inputs.batch.input_ids.copy_(previous.tokens)
+        with torch_threads(self._threads_for(inputs.batch)):
+            out = self._forward(inputs.batch)
+            logits = self._mask_padding(out.logits.view(len(rows), 1, -1))
+            result = self._accept(rows, logits, inputs.drafts, None, None, inputs.sampling)
+        self._in_flight = InFlight.launch(rows, result.tokens[:, 0])
+        self.overlapped_steps += 1
+        deltas = [] if previous is None else self._commit_in_flight(previous, continuing=True)
+        for r in rows:
+            if r.slot >= 0:
+                r.tokens.append(PLACEHOLDER_TOKEN_ID)
+        self._register_blocks(rows)
+        if all(r.slot < 0 for r in rows):  # every row finished: the step just launched is read by no one
+            self._in_flight = None
+        return deltas
+
+    def _commit_in_flight(self, in_flight: InFlight, *, continuing: bool) -> list[StreamDelta]:
+        """Read ``in_flight``'s tokens and commit them to its rows still running (finished and aborted rows
+        gave their slots back). ``continuing``: the next step already runs, its entries in the caches."""
+        tokens = in_flight.read()
+        live = [(r, token) for r, token in zip(in_flight.rows, tokens) if r.slot >= 0]
+        for r, _ in live:
+            r.tokens.pop()  # the placeholder
+        rows = [r for r, _ in live]
+        deltas = self._commit(rows, [([token], 0, False) for _, token in live], None, truncate=not continuing)
+        if not continuing:
+            self._register_blocks(rows)
         return deltas
 
     def _fill_draft(self, chunked: list[Request], rows: list[Request], out, batch: ForwardBatch) -> None:
@@ -562,10 +657,19 @@ class Engine:
             relaxed=self.config.relaxed,
         )
 
-    def _commit(self, rows: list[Request], result: AcceptanceResult, logits: torch.Tensor) -> list[StreamDelta]:
-        """Step 5: append each row's emitted tokens (logits [B, k+1, V]: the positions that emitted them)."""
+    def _commit(
+        self,
+        rows: list[Request],
+        results: list[tuple[list[int], int, bool]],
+        logits: torch.Tensor | None,
+        *,
+        truncate: bool = True,
+    ) -> list[StreamDelta]:
+        """Step 5: append each row's emitted tokens (`AcceptanceResult.to_host`'s rows; logits [B, k+1, V]: the
+        positions that emitted them, None when no row asks for logprobs). ``truncate=False`` keeps the target
+        cache's entries past the committed tokens: an in-flight step's."""
         deltas = []
-        for b, (r, (emitted_all, num_accepted, dead_end)) in enumerate(zip(rows, result.to_host())):
+        for b, (r, (emitted_all, num_accepted, dead_end)) in enumerate(zip(rows, results)):
             emitted = kept_tokens(r, emitted_all)
             self.masker.commit(r.request_id, emitted)
             r.tokens.extend(emitted)
@@ -577,7 +681,8 @@ class Engine:
                 chosen = len(r.drafts) - r.forced_run
                 self.policy.observe(r.request_id, chosen, min(num_accepted, chosen), r.asked_drafts)
             r.clear_drafts()
-            self.target_cache.truncate([r.slot], [len(r.tokens) - 1])
+            if truncate:
+                self.target_cache.truncate([r.slot], [len(r.tokens) - 1])
             reason = finish_reason(
                 r,
                 grammar_terminated=self.masker.is_terminated(r.request_id),

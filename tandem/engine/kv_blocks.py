@@ -168,6 +168,13 @@ class BlockPool:
         self.table.set_blocks(slot, row + new, read_only=self.table.read_only[slot])
         return True
 
+    def can_grow(self, wants: dict[int, int]) -> bool:
+        """Whether :meth:`grow` would succeed for every ``slot: num_positions`` of ``wants`` together."""
+        needed = [0] * self.domains
+        for slot, num_positions in wants.items():
+            needed[self.domain(slot)] += max(self.blocks_for(num_positions) - len(self.table.rows[slot]), 0)
+        return all(n <= self.free_in(domain) for domain, n in enumerate(needed))
+
     def trim(self, slot: int, num_positions: int) -> None:
         """Give back ``slot``'s blocks past its first ``num_positions`` positions (never a registered one)."""
         row = self.table.rows[slot]

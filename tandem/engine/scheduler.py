@@ -76,6 +76,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def may_admit(self) -> bool:
+        """Whether the next :meth:`schedule` may admit a request: one waits and a slot is free."""
+        return bool(self.waiting and self._free_slots)
+
     def schedule(self) -> list[Request]:
         """Grow every running row to its step's writes, preempting the latest admitted rows of its domain when the
         domain's pool runs out, admit what fits, then hand the rows still prefilling their chunks of the budget;

@@ -61,3 +61,10 @@ def test_generate_rejects_a_schema_file_that_is_not_json(tmp_path, capsys):
         main(["generate", "--schema", str(schema)])
     assert exit_info.value.code == 2
     assert f"--schema {schema}: not JSON" in capsys.readouterr().err
+
+
+def test_generate_with_async_scheduling_prints_the_synchronous_answer(tandem):
+    """A plain model decoding with async scheduling answers as it does synchronously, greedy."""
+    argv = ["generate", "--model", "demo-llama", "--draft", "none", "--graph-mode", "eager", "--max-tokens", MAX_TOKENS]
+    outputs = [tandem(*argv, *flag)[0] for flag in ([], ["--async-scheduling"])]
+    assert outputs[0] == outputs[1] and outputs[0].strip()

@@ -1,4 +1,5 @@
-"""`--graph-mode` and `--adaptive` reach `tandem.LLM` from the commands that build one (the model is not loaded)."""
+"""`--graph-mode`, `--adaptive` and `--async-scheduling` reach `tandem.LLM` from the commands that build one (the
+model is not loaded)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,17 @@ def test_the_adaptive_flag_reaches_the_llm(llm_kwargs, argv, adaptive):
     with pytest.raises(Built):
         main(argv)
     assert [kwargs["adaptive"] for kwargs in llm_kwargs] == [adaptive]
+
+
+@pytest.mark.parametrize(
+    "argv, overlap",
+    [
+        (["generate", "--draft", "none", "--async-scheduling"], True),
+        (["generate"], False),
+        (["serve", "--draft", "none", "--async-scheduling"], True),
+    ],
+)
+def test_the_async_scheduling_flag_reaches_the_llm(llm_kwargs, argv, overlap):
+    with pytest.raises(Built):
+        main(argv)
+    assert [kwargs["async_scheduling"] for kwargs in llm_kwargs] == [overlap]

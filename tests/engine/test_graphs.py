@@ -274,3 +274,42 @@ def test_a_replayed_step_reads_the_device_once(name, draft, dtype):
         reads = _device_reads(engine)
         assert len(reads) == 1, "\n".join(reads)
     assert engine.runner.replays > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphs_over_inductors_kernels_replay_the_eager_tokens(monkeypatch):
+    """With ``$TANDEM_CUDA_COMPILE_BACKEND=inductor`` each captured body is compiled first (whole: a graph break
+    fails), the paged-attention kernel inside it as its custom op: demo-llama + EAGLE-3 in float32 gives the eager
+    run's greedy tokens, and a step still reads the device once."""
+    from tandem import LLM
+    from tests.engine.test_device_reads import _device_reads
+
+    outputs = {}
+    for mode in ("eager", "compiled"):
+        monkeypatch.setenv("TANDEM_CUDA_COMPILE_BACKEND", "inductor")
+        settings = dict(device="cuda", dtype=torch.float32, max_num_seqs=1, graph_mode=mode, adaptive=False)
+        engine = LLM("demo-llama", "eagle3", **settings).engine  # at a fixed k: every step drafts
+        outputs[mode] = _generate(engine, [SamplingParams(max_tokens=24)])
+    assert engine.runner.backend == "inductor" and engine.runner.replays > 0
+    assert outputs["compiled"] == outputs["eager"]
+    engine.add_request(chat_prompt_ids(engine.tokenizer, EXAMPLES[0].messages, EXAMPLES[0].tools), SamplingParams())
+    for _ in range(3):  # prefill, then the first speculative steps
+        engine.step()
+    reads = _device_reads(engine)
+    assert len(reads) == 1, "\n".join(reads)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name, dtype", [("demo-llama", torch.float32), ("demo-deepseek", torch.bfloat16)])
+def test_async_scheduling_through_cuda_graphs_gives_the_synchronous_tokens(name, dtype):
+    """Plain decoding through captured graphs, each step launched before the last one's tokens are read (its input
+    ids copied on the device from the sampled ones), across a bucket change: the synchronous run's tokens."""
+    params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=40, temperature=0.8, seed=1)]
+    outputs, overlapped = {}, 0
+    for overlap in (False, True):
+        engine = _cuda_llm(name, None, dtype, "compiled", async_scheduling=overlap).engine
+        outputs[overlap] = _generate(engine, params)
+        overlapped = engine.overlapped_steps
+    assert outputs[True] == outputs[False] and overlapped > 20

@@ -163,3 +163,14 @@ def test_each_domain_has_a_pool_of_its_own():
     assert pool.grow(3, 6) and pool.fits(1) == 0
     pool.release(1)
     assert pool.fits(1) == 0 and pool.free_in(1) == 1  # slot 0's domain has nothing left: no row fits from slot 0
+
+
+def test_can_grow_says_whether_every_growth_fits_together():
+    """Async scheduling's check before it launches a step ahead: every row's growth at once, per domain's pool."""
+    table = BlockTable(4, 16, 2, 5)  # per domain: 4 blocks and the scratch block
+    pool = BlockPool(table, domains=2)
+    assert pool.grow(0, 4)  # two of domain 0's four blocks
+    assert pool.can_grow({0: 8}) and pool.can_grow({0: 4, 2: 4}) and pool.can_grow({1: 8, 3: 0})
+    assert not pool.can_grow({0: 6, 2: 4})  # one more for slot 0 and two for slot 2: three of the two left
+    assert not pool.can_grow({1: 8, 3: 2})  # domain 1: five of four
+    assert table.rows[0] == [1, 2] and not table.rows[2]  # a check changes nothing

@@ -1,0 +1,145 @@
+"""Async scheduling against synchronous steps: plain decoding's step time, the two interleaved in one process.
+
+    python benchmarks/async_scheduling.py [--device cuda] [--dtype bfloat16] [--models demo-llama demo-deepseek]
+        [--batch 1 8] [--graph-mode compiled] [--rounds 5] [--steps 64]
+
+For each demo target and batch size, two engines (``async_scheduling`` off and on) decode the same rows, which
+run through EOS (``ignore_eos``), in alternating rounds of ``--steps`` steps after a warm-up of 16: per engine
+``step_ms`` (the median round and the range), ``tokens_per_s`` of the median round and, with async scheduling,
+``read_wait_ms``, the host's wait per step for the in-flight step's tokens (near the step's time: the device bounds
+the step; near 0: the host does). ``async_over_sync`` is the ratio of the medians' tokens/s, and ``exact`` whether
+both engines emitted the same tokens in every round (greedy rows). One JSON object on the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.demo.corpus import generate_examples
+from tandem.engine import in_flight
+from tandem.llm import chat_prompt_ids
+from tandem.models.loading import DTYPES
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ReadClock:
+    """Seconds spent in `InFlight.read` (the wait for an in-flight step's tokens), while installed."""
+
+    def __init__(self) -> None:
+        self.seconds, self._read = 0.0, in_flight.InFlight.read
+
+    def __enter__(self) -> ReadClock:
+        clock, read = self, self._read
+
+        def timed(flight):
+            start = time.perf_counter()
+            try:
+                return read(flight)
+            finally:
+                clock.seconds += time.perf_counter() - start
+
+        in_flight.InFlight.read = timed
+        return self
+
+    def __exit__(self, *_) -> None:
+        in_flight.InFlight.read = self._read
+
+
+def round_of(engine, prompts: list[list[int]], steps: int) -> dict:
+    """One round: the rows' prefill and 16 warm-up steps, then ``steps`` timed ones; the engine empty after."""
+    ids = [engine.add_request(prompt, SamplingParams(max_tokens=10**6, ignore_eos=True)) for prompt in prompts]
+    tokens = []  # (request id, new tokens) of every step's deltas
+    for _ in range(16):
+        tokens += [(delta.request_id, delta.token_ids) for delta in engine.step()]
+    sync(engine.device)
+    with ReadClock() as clock:
+        start, timed = time.perf_counter(), len(tokens)
+        for _ in range(steps):
+            tokens += [(delta.request_id, delta.token_ids) for delta in engine.step()]
+        sync(engine.device)
+        seconds = time.perf_counter() - start
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    emitted = {request_id: [] for request_id in ids}
+    for request_id, new in tokens:
+        emitted[request_id] += new
+    return {
+        "step_ms": seconds * 1000 / steps,
+        "tokens": sum(len(new) for _, new in tokens[timed:]),
+        "seconds": seconds,
+        "read_wait_ms": clock.seconds * 1000 / steps,
+        "emitted": [emitted[i] for i in ids],
+    }
+
+
+def compare(engines: dict[bool, LLM], prompts: list[list[int]], rounds: int, steps: int) -> dict:
+    """Alternating rounds of the synchronous and the async engine (each round's first alternates too)."""
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for r in range(rounds):
+        for overlap in (False, True) if r % 2 == 0 else (True, False):
+            runs[overlap].append(round_of(engines[overlap].engine, prompts, steps))
+    row = {}
+    for overlap, name in ((False, "sync"), (True, "async")):
+        median = sorted(runs[overlap], key=lambda run: run["step_ms"])[len(runs[overlap]) // 2]
+        row[name] = {
+            "step_ms": round(median["step_ms"], 3),
+            "step_ms_range": [
+                round(min(run["step_ms"] for run in runs[overlap]), 3),
+                round(max(run["step_ms"] for run in runs[overlap]), 3),
+            ],  # fmt: skip
+            "tokens_per_s": round(median["tokens"] / median["seconds"], 1),
+        }
+        if overlap:
+            row[name]["read_wait_ms"] = round(statistics.median(run["read_wait_ms"] for run in runs[overlap]), 3)
+    row["async_over_sync"] = round(row["async"]["tokens_per_s"] / row["sync"]["tokens_per_s"], 3)
+    # The async engine's rounds reach the host a step later: compare what both emitted in common.
+    row["exact"] = all(
+        a[: len(b)] == b[: len(a)]
+        for sync_run, async_run in zip(runs[False], runs[True])
+        for a, b in zip(sync_run["emitted"], async_run["emitted"])
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--models", nargs="+", default=["demo-llama", "demo-deepseek"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--graph-mode", choices=["auto", "eager", "compiled"], default="compiled")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=64, help="timed steps per round")
+    args = parser.parse_args(argv)
+    report = {"benchmark": "async_scheduling", "device": args.device, "dtype": args.dtype, "cases": []}
+    if args.device.startswith("cuda"):
+        report["gpu"] = torch.cuda.get_device_name(args.device)
+    examples = generate_examples(max(args.batch), seed=1, split="heldout")
+    for model in args.models:
+        settings = dict(device=args.device, dtype=DTYPES[args.dtype], max_num_seqs=max(args.batch))
+        engines = {o: LLM(model, graph_mode=args.graph_mode, async_scheduling=o, **settings) for o in (False, True)}
+        prompts = [chat_prompt_ids(engines[False].tokenizer, e.messages, e.tools) for e in examples]
+        for batch in args.batch:
+            row = {"model": model, "batch": batch, **compare(engines, prompts[:batch], args.rounds, args.steps)}
+            report["cases"].append(row)
+            print(json.dumps(row), flush=True)
+        for llm in engines.values():
+            llm.close()
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""Async scheduling (engine/in_flight.py): a plain decode step launched before the previous one's tokens are read
+gives, token for token, the synchronous engine's outputs (greedy and seeded sampling, max_tokens, stop strings and
+EOS, eager and graph mode); requests admitted, aborted or preempted mid-run, a grammar row in the batch and a
+shared prefix end as they do synchronously, the pool whole again. On CUDA (tests/engine/test_graphs.py) the same
+through captured graphs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.decoding.params import SamplingParams
+from tandem.demo.corpus import TASK_FAMILIES, generate_examples
+from tandem.engine.engine import Engine, EngineConfig
+from tandem.llm import chat_prompt_ids
+from tests.engine.test_paged_kv import _assert_pool_whole
+
+EXAMPLES = generate_examples(6, seed=3, split="heldout")
+MAX_LEN = 384
+# Greedy and sampled rows, each finishing its own way: max_tokens (one at once), EOS, a stop string.
+PARAMS = [
+    SamplingParams(max_tokens=5),
+    SamplingParams(max_tokens=40, temperature=0.8, seed=5),
+    SamplingParams(max_tokens=64, stop=[","]),
+    SamplingParams(max_tokens=64, temperature=1.0, top_p=0.9, seed=7),
+    SamplingParams(max_tokens=1),
+    SamplingParams(max_tokens=48),
+]
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_only(monkeypatch):
+    monkeypatch.setenv("TANDEM_COMPILE_BACKEND", "eager")
+
+
+def _engine(models, name: str = "demo-llama", draft: str | None = None, **config) -> Engine:
+    target, draft_model, tokenizer = models(name, draft)
+    settings = dict(max_num_seqs=4, max_model_len=MAX_LEN, graph_mode="eager", block_size=4)
+    return Engine(target, draft_model, tokenizer, EngineConfig(**{**settings, **config}))
+
+
+def _prompts(engine: Engine) -> list[list[int]]:
+    return [chat_prompt_ids(engine.tokenizer, e.messages, e.tools) for e in EXAMPLES]
+
+
+def _run(
+    engine: Engine,
+    params: list[SamplingParams],
+    *,
+    late: int = 0,
+    abort_after: dict[int, int] | None = None,
+    examples: list[int] | None = None,
+):
+    """Each example's (token ids, finish reason, text) under ``params`` (``examples``: which, by index); the last
+    ``late`` requests are added after three steps, and request ``i`` of ``abort_after`` is aborted after that many
+    steps."""
+    prompts, abort_after = _prompts(engine), abort_after or {}
+    prompts = prompts if examples is None else [prompts[i] for i in examples]
+    first = len(params) - late
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts[:first], params[:first])]
+    steps = 0
+    while engine.has_unfinished() or len(ids) < len(params):
+        engine.step()
+        steps += 1
+        if steps == 3:
+            ids += [engine.add_request(p, sp) for p, sp in zip(prompts[first:], params[first:])]
+        for i, after in abort_after.items():
+            if steps == after:
+                engine.abort(ids[i])
+    outputs = [engine.pop_finished(i) for i in ids]
+    return [(o.token_ids, o.finish_reason, o.text) for o in outputs]
+
+
+@pytest.mark.parametrize("name", ["demo-llama", "demo-deepseek"])
+@pytest.mark.parametrize("graph_mode", ["eager", "compiled"])
+def test_async_scheduling_gives_the_synchronous_outputs(models, name, graph_mode):
+    """Four rows at a time of six: the last two admitted after three steps, and one aborted mid-run (its tokens
+    a prefix of the synchronous run's: a step's tokens reach the host one step later, so an abort after as many
+    steps may come before some of them)."""
+    outputs = {}
+    for overlap in (False, True):
+        engine = _engine(models, name, graph_mode=graph_mode, async_scheduling=overlap)
+        outputs[overlap] = _run(engine, PARAMS, late=2, abort_after={3: 12})
+        assert (engine.overlapped_steps > 20) == overlap
+        _assert_pool_whole(engine)
+    assert [o for i, o in enumerate(outputs[True]) if i != 3] == [o for i, o in enumerate(outputs[False]) if i != 3]
+    (aborted, reason, _), (expected, _, _) = outputs[True][3], outputs[False][3]
+    assert reason == "abort" and 0 < len(aborted) <= len(expected) and expected[: len(aborted)] == aborted
+    assert {reason for _, reason, _ in outputs[True]} == {"length", "stop", "abort"}
+
+
+def test_requests_queued_behind_taken_slots_keep_the_steps_overlapped(models):
+    """One slot, three requests: while the others wait for it, the running row's steps launch ahead all the same.
+    A row's prefill emits its first token and a step launched ahead each later one, none past max_tokens."""
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 30, 25)]
+    outputs = {}
+    for overlap in (False, True):
+        engine = _engine(models, max_num_seqs=1, async_scheduling=overlap)
+        outputs[overlap] = _run(engine, params)
+    assert outputs[True] == outputs[False]
+    assert engine.overlapped_steps == sum(p.max_tokens - 1 for p in params)
+
+
+def test_a_pool_too_small_preempts_with_the_synchronous_outputs(models):
+    """Blocks for one row of 256 positions among three rows of 96, 47 and 32 prompt tokens that each grow by 100:
+    rows are preempted (async scheduling reads its in-flight step first: every row's next block must fit before a
+    step launches ahead)."""
+    roomy = _engine(models, max_model_len=256)
+    memory = roomy.target_cache.bytes_per_position * 256
+    params, examples = [SamplingParams(max_tokens=100, ignore_eos=True, temperature=0.7, seed=3)] * 3, [2, 4, 5]
+    outputs = {}
+    for overlap in (False, True):
+        engine = _engine(models, max_model_len=256, kv_cache_memory=memory, async_scheduling=overlap)
+        outputs[overlap] = _run(engine, params, examples=examples)
+        assert engine.kv_stats().preemptions > 0 and (engine.overlapped_steps > 0) == overlap
+        _assert_pool_whole(engine)
+    assert outputs[True] == outputs[False] == _run(roomy, params, examples=examples)
+
+
+def test_a_grammar_row_runs_synchronously_beside_overlapped_steps(models):
+    """A JSON-schema row's next mask follows its token: while it runs no step launches ahead, before and after
+    it the others' do; every answer as the synchronous engine's, the schema's valid."""
+    schema = TASK_FAMILIES[EXAMPLES[1].family].schema
+    params = [*PARAMS[:1], SamplingParams(max_tokens=40, json_schema=schema), *PARAMS[2:4], PARAMS[5]]
+    outputs = {}
+    for overlap in (False, True):
+        engine = _engine(models, async_scheduling=overlap, max_num_seqs=2)
+        outputs[overlap] = _run(engine, params)
+        assert (engine.overlapped_steps > 0) == overlap
+    assert outputs[True] == outputs[False]
+
+
+def test_a_shared_prefix_reuses_the_blocks_it_registered(models):
+    """Blocks registered while a step is in flight hold committed tokens only: a second turn that shares the
+    first's prompt and answer reuses them and outputs what it outputs synchronously."""
+    outputs, cached = {}, {}
+    for overlap in (False, True):
+        engine = _engine(models, async_scheduling=overlap)
+        prompt = _prompts(engine)[0]
+        first = engine.add_request(prompt, SamplingParams(max_tokens=24))
+        while engine.has_unfinished():
+            engine.step()
+        answer = engine.pop_finished(first).token_ids
+        second = engine.add_request(prompt + answer + [418, 416], SamplingParams(max_tokens=24))
+        while engine.has_unfinished():
+            engine.step()
+        output = engine.pop_finished(second)
+        outputs[overlap], cached[overlap] = (answer, output.token_ids), output.num_cached_tokens
+    assert outputs[True] == outputs[False] and cached[True] == cached[False] >= len(prompt) - 4
+
+
+def test_async_scheduling_with_a_draft_is_refused(models):
+    with pytest.raises(ValueError, match="async_scheduling overlaps plain decode steps"):
+        _engine(models, draft="eagle3", async_scheduling=True)
