@@ -355,8 +355,15 @@ class Engine:
         ends = [self.scheduler.chunk_ends.get(r.request_id) for r in rows]
         if self._overlaps(rows, k, ends):
             return self._overlapped_step(rows)
+        inputs = self._verify_inputs(rows, k, ends)
+        with torch_threads(self._threads_for(inputs.batch)):
+            return self._run_step(rows, inputs, k, [b for b, end in enumerate(ends) if end is not None])
+
+    def _verify_inputs(self, rows: list[Request], k: int, ends: list[int | None] | None = None) -> VerifyInputs:
+        """`batching.verify_inputs` of the step's rows from what their target caches hold, planned for the graph
+        runner in graph mode, else for the eager layout."""
         held = [self.target_cache.lengths[r.slot] for r in rows]
-        inputs = verify_inputs(
+        return verify_inputs(
             rows,
             k,
             self.k,
@@ -367,8 +374,6 @@ class Engine:
             runner=self.runner,
             cache=self.target_cache,
         )
-        with torch_threads(self._threads_for(inputs.batch)):
-            return self._run_step(rows, inputs, k, [b for b, end in enumerate(ends) if end is not None])
 
     def _adaptive(self) -> bool:
         return self.policy is not None and self.config.adaptive
@@ -579,17 +584,7 @@ class Engine:
         """Launch a plain decode step over `rows` (fed the in-flight step's tokens on the device, if one runs),
         then read and commit the in-flight step while the device runs this one; returns its deltas."""
         previous = self._in_flight
-        held = [self.target_cache.lengths[r.slot] for r in rows]
-        inputs = verify_inputs(
-            rows,
-            0,
-            self.k,
-            held,
-            self.device,
-            vocab_size=self.target.vocab_size,
-            runner=self.runner,
-            cache=self.target_cache,
-        )
+        inputs = self._verify_inputs(rows, 0)
         if previous is not None:  # each row feeds its in-flight token, a placeholder on the host
             inputs.batch.input_ids.copy_(previous.tokens)
         with torch_threads(self._threads_for(inputs.batch)):

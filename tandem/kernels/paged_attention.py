@@ -248,25 +248,9 @@ def paged_attention_triton(
     """
     if torch.compiler.is_compiling():
         return paged_attention_op(
-            query, key_cache, value_cache, tables, positions, scale, key_start, key_end, key_offset, splits
-        )
-    return _paged_attention(
-        query, key_cache, value_cache, tables, positions, scale, key_start, key_end, key_offset, splits
-    )
-
-
-def _paged_attention(
-    query: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
-    tables: Tensor,
-    positions: Tensor,
-    scale: float,
-    key_start: int,
-    key_end: int,
-    key_offset: int,
-    splits: int | None,
-) -> Tensor:
+            query, key_cache, value_cache, tables, positions,
+            scale=scale, key_start=key_start, key_end=key_end, key_offset=key_offset, splits=splits,
+        )  # fmt: skip
     rows, width, num_heads, dim_k = query.shape
     num_kv_heads, dim_v = value_cache.shape[2], value_cache.shape[3]
     if num_heads % num_kv_heads or key_cache.shape[2] != num_kv_heads or key_cache.shape[3] != dim_k:
@@ -313,25 +297,10 @@ def _paged_attention(
     return out
 
 
-@torch.library.custom_op("tandem::paged_attention", mutates_args=())
-def paged_attention_op(
-    query: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
-    tables: Tensor,
-    positions: Tensor,
-    scale: float,
-    key_start: int,
-    key_end: int,
-    key_offset: int,
-    splits: int | None,
-) -> Tensor:
-    """:func:`paged_attention_triton` as a custom op, what a compiled graph calls."""
-    return _paged_attention(
-        query, key_cache, value_cache, tables, positions, scale, key_start, key_end, key_offset, splits
-    )
+# What a compiled graph calls; eager calls skip the dispatcher.
+paged_attention_op = torch.library.custom_op("tandem::paged_attention", paged_attention_triton, mutates_args=())
 
 
 @paged_attention_op.register_fake
-def _(query, key_cache, value_cache, tables, positions, scale, key_start, key_end, key_offset, splits) -> Tensor:
+def _(query, key_cache, value_cache, tables, positions, *, scale, key_start, key_end, key_offset=0, splits=None):
     return query.new_empty(*query.shape[:3], value_cache.shape[3])

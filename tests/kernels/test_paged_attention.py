@@ -143,8 +143,10 @@ def test_the_kernel_is_a_custom_op_that_compiles_whole(latent, monkeypatch):
         layout = RaggedLayout.static(positions, positions.flatten(), tables, 0, 4)
         return layout.attend_paged(q, keys, values, 0.25)
 
-    args = (layout.to_grid(q), keys, values, tables, positions, 0.25, 0, 32, 0, None)
-    torch.library.opcheck(torch.ops.tandem.paged_attention.default, args)
+    window = {"scale": 0.25, "key_start": 0, "key_end": 32}
+    torch.library.opcheck(
+        torch.ops.tandem.paged_attention.default, (layout.to_grid(q), keys, values, tables, positions), window
+    )
     compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(
         compiled(q, keys, values, positions, tables), attend(q, keys, values, positions, tables), atol=0, rtol=0
