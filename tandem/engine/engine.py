@@ -64,9 +64,9 @@ the reads of a step on CUDA). What the verify needs (batch, graph plan, drafts, 
 each travel in one staged copy (`batching`; sampling tables too), so a step copies to the device twice, greedy or
 sampled (`tests/engine/test_step_copies.py` counts them).
 
-Async scheduling (`EngineConfig.async_scheduling`, `in_flight`): a step of plain, unconstrained decode rows is
-launched before the previous step's tokens are read, fed them on the device; its read then waits for that previous
-step only, and its commit runs while the device computes.
+Async scheduling (`EngineConfig.async_scheduling`, `in_flight`): a plain decode step's forward is launched before
+the previous step's tokens are read, fed them on the device; its read then waits for that previous step only, its
+commit runs while the device computes, and the step samples after it (a grammar row's mask follows that commit).
 """
 
 from __future__ import annotations
@@ -555,13 +555,14 @@ class Engine:
     # ---------------------------------------------------------------- async scheduling (in_flight.py)
     def _overlaps(self, rows: list[Request], k: int, ends: list[int | None]) -> bool:
         """Whether this step launches without reading back: async scheduling's plain decode step, every row
-        decoding one unconstrained token that nothing on the host adjusts or reads but the commit."""
+        decoding one token that no penalty adjusts and whose logprobs nothing reads (a grammar's mask follows the
+        commit: `_overlapped_step`)."""
         if not self.config.async_scheduling or k > 0 or any(end is not None for end in ends):
             return False
         if self._in_flight is not None:  # `_continues` held: the same rows, nothing admitted or preempted
             assert rows == self._in_flight.rows, "async scheduling: the rows changed under an in-flight step"
             return True
-        return not self.step_masks.has_grammar(rows) and all(
+        return all(
             self.target_cache.lengths[r.slot] == len(r.tokens) - 1
             and r.params.logprobs is None
             and not r.params.adjusts_logits
@@ -581,19 +582,25 @@ class Engine:
         return self.blocks.can_grow({r.slot: self._reserve(r) for r in rows})
 
     def _overlapped_step(self, rows: list[Request]) -> list[StreamDelta]:
-        """Launch a plain decode step over `rows` (fed the in-flight step's tokens on the device, if one runs),
-        then read and commit the in-flight step while the device runs this one; returns its deltas."""
+        """Launch a plain decode step's forward over `rows` (fed the in-flight step's tokens on the device, if one
+        runs), read and commit the in-flight step while the device runs it, then sample: a grammar row's mask
+        follows the token just committed. Returns the in-flight step's deltas."""
         previous = self._in_flight
         inputs = self._verify_inputs(rows, 0)
-        if previous is not None:  # each row feeds its in-flight token, a placeholder on the host
-            inputs.batch.input_ids.copy_(previous.tokens)
-        with torch_threads(self._threads_for(inputs.batch)):
+        threads = self._threads_for(inputs.batch)
+        if previous is not None:
+            # Each row feeds its in-flight token, a placeholder on the host (-1 where its mask allowed nothing: that
+            # row finishes at the commit below, and its sample here is dropped).
+            inputs.batch.input_ids.copy_(previous.tokens.clamp(min=0))
+        with torch_threads(threads):
             out = self._forward(inputs.batch)
             logits = self._mask_padding(out.logits.view(len(rows), 1, -1))
-            result = self._accept(rows, logits, inputs.drafts, None, None, inputs.sampling)
+        deltas = [] if previous is None else self._commit_in_flight(previous, continuing=True)
+        bitmask = self._next_masks(rows)
+        with torch_threads(threads):
+            result = self._accept(rows, logits, inputs.drafts, bitmask, None, inputs.sampling)
         self._in_flight = InFlight.launch(rows, result.tokens[:, 0])
         self.overlapped_steps += 1
-        deltas = [] if previous is None else self._commit_in_flight(previous, continuing=True)
         for r in rows:
             if r.slot >= 0:
                 r.tokens.append(PLACEHOLDER_TOKEN_ID)
@@ -601,6 +608,22 @@ class Engine:
         if all(r.slot < 0 for r in rows):  # every row finished: the step just launched is read by no one
             self._in_flight = None
         return deltas
+
+    def _next_masks(self, rows: list[Request]) -> torch.Tensor | None:
+        """An overlapped step's grammar masks ``[B, 1, W]`` on the device, built for the live rows once the in-flight
+        step committed (a row that finished there allows every token: its sample is dropped); None when no live row
+        has a grammar."""
+        live = [b for b, r in enumerate(rows) if r.slot >= 0]
+        live_rows = [rows[b] for b in live]
+        if not self.step_masks.has_grammar(live_rows):
+            return None
+        no_drafts = torch.empty(len(live_rows), 0, dtype=torch.int64)
+        bitmask, _ = self.step_masks.wait(self.step_masks.submit(live_rows, no_drafts))
+        if len(live) == len(rows):
+            return bitmask
+        every = bitmask.new_full((len(rows), *bitmask.shape[1:]), -1)
+        every[int64_tensor(live, self.device)] = bitmask
+        return every
 
     def _commit_in_flight(self, in_flight: InFlight, *, continuing: bool) -> list[StreamDelta]:
         """Read ``in_flight``'s tokens and commit them to its rows still running (finished and aborted rows
@@ -610,7 +633,9 @@ class Engine:
         for r, _ in live:
             r.tokens.pop()  # the placeholder
         rows = [r for r, _ in live]
-        deltas = self._commit(rows, [([token], 0, False) for _, token in live], None, truncate=not continuing)
+        # A row whose mask allowed nothing sampled PLACEHOLDER_TOKEN_ID: a dead end, as `AcceptanceResult.to_host`.
+        results = [([], 0, True) if token == PLACEHOLDER_TOKEN_ID else ([token], 0, False) for _, token in live]
+        deltas = self._commit(rows, results, None, truncate=not continuing)
         if not continuing:
             self._register_blocks(rows)
         return deltas

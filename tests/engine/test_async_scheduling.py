@@ -1,11 +1,14 @@
 """Async scheduling (engine/in_flight.py): a plain decode step launched before the previous one's tokens are read
 gives, token for token, the synchronous engine's outputs (greedy and seeded sampling, max_tokens, stop strings and
-EOS, eager and graph mode); requests admitted, aborted or preempted mid-run, a grammar row in the batch and a
-shared prefix end as they do synchronously, the pool whole again. On CUDA (tests/engine/test_graphs.py) the same
-through captured graphs."""
+EOS, eager and graph mode); requests admitted, aborted or preempted mid-run, grammar rows in the batch (sampled under
+masks built after the in-flight step's commit) and a shared prefix end as they do synchronously, the pool whole
+again. On CUDA (tests/engine/test_graphs.py) the same through captured graphs."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
 from tandem.decoding.params import SamplingParams
@@ -116,17 +119,22 @@ def test_a_pool_too_small_preempts_with_the_synchronous_outputs(models):
     assert outputs[True] == outputs[False] == _run(roomy, params, examples=examples)
 
 
-def test_a_grammar_row_runs_synchronously_beside_overlapped_steps(models):
-    """A JSON-schema row's next mask follows its token: while it runs no step launches ahead, before and after
-    it the others' do; every answer as the synchronous engine's, the schema's valid."""
-    schema = TASK_FAMILIES[EXAMPLES[1].family].schema
-    params = [*PARAMS[:1], SamplingParams(max_tokens=40, json_schema=schema), *PARAMS[2:4], PARAMS[5]]
+@pytest.mark.parametrize("name", ["demo-llama", "demo-deepseek"])
+def test_grammar_rows_sample_under_the_mask_their_committed_token_left(models, name):
+    """JSON-schema rows beside free ones: a step's forward launches ahead, and its sampling waits for the masks built
+    after the in-flight step's commit (a grammar that terminates finishes its row there, its next sample dropped).
+    Every answer as the synchronous engine's; each schema answer that stopped is valid."""
+    schemas = [TASK_FAMILIES[e.family].schema for e in EXAMPLES]
+    params = [SamplingParams(max_tokens=64, json_schema=schemas[i]) for i in (0, 1, 4)] + PARAMS[2:4]
     outputs = {}
     for overlap in (False, True):
-        engine = _engine(models, async_scheduling=overlap, max_num_seqs=2)
-        outputs[overlap] = _run(engine, params)
-        assert (engine.overlapped_steps > 0) == overlap
+        engine = _engine(models, name, async_scheduling=overlap, max_num_seqs=3)
+        outputs[overlap] = _run(engine, params, examples=[0, 1, 4, 2, 3])
+        assert (engine.overlapped_steps > 40) == overlap
     assert outputs[True] == outputs[False]
+    for (_, reason, text), schema in zip(outputs[True][:3], (schemas[i] for i in (0, 1, 4))):
+        assert reason == "stop"
+        jsonschema.validate(json.loads(text), schema)
 
 
 def test_a_shared_prefix_reuses_the_blocks_it_registered(models):
