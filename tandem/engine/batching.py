@@ -56,9 +56,11 @@ def verify_inputs(
     vocab_size: int,
     runner: GraphRunner | None = None,
     cache: KVCache | None = None,
+    adjust: bool = True,
 ) -> VerifyInputs:
     """The verify step's inputs, in one copy with the plan of the graph runner's forward (graph mode's ``runner``),
-    else with the eager forward's layout over ``cache`` (the target's; `RaggedLayout.stage`).
+    else with the eager forward's layout over ``cache`` (the target's; `RaggedLayout.stage`). ``adjust=False``
+    leaves the penalties out (``adjustments`` None): async scheduling builds them once the rows' tokens are known.
 
     Row ``b`` feeds its tokens from position ``held[b]`` (what its target cache holds) and its drafts: a
     running row ``[t_last, *drafts]`` from ``len(tokens) - 1``; a new row its whole prompt, or what follows a
@@ -88,7 +90,7 @@ def verify_inputs(
         verified=None if len(full) == len(rows) else staging.int64(verified),
         host_drafts=int64_tensor([t for row in padded for t in row]).view(len(full), width),
         drafts=staging.int64([t for row in padded for t in row[:k]]).view(len(full), k),
-        adjustments=sampling.adjustments(full, vocab_size, device, staging),
+        adjustments=sampling.adjustments(full, vocab_size, device, staging) if adjust else None,
         sampling=sampling.sampling_tensors(full, device, staging),
     )
     if runner is not None:

@@ -359,7 +359,9 @@ class Engine:
         with torch_threads(self._threads_for(inputs.batch)):
             return self._run_step(rows, inputs, k, [b for b, end in enumerate(ends) if end is not None])
 
-    def _verify_inputs(self, rows: list[Request], k: int, ends: list[int | None] | None = None) -> VerifyInputs:
+    def _verify_inputs(
+        self, rows: list[Request], k: int, ends: list[int | None] | None = None, *, adjust: bool = True
+    ) -> VerifyInputs:
         """`batching.verify_inputs` of the step's rows from what their target caches hold, planned for the graph
         runner in graph mode, else for the eager layout."""
         held = [self.target_cache.lengths[r.slot] for r in rows]
@@ -373,6 +375,7 @@ class Engine:
             vocab_size=self.target.vocab_size,
             runner=self.runner,
             cache=self.target_cache,
+            adjust=adjust,
         )
 
     def _adaptive(self) -> bool:
@@ -555,19 +558,14 @@ class Engine:
     # ---------------------------------------------------------------- async scheduling (in_flight.py)
     def _overlaps(self, rows: list[Request], k: int, ends: list[int | None]) -> bool:
         """Whether this step launches without reading back: async scheduling's plain decode step, every row
-        decoding one token that no penalty adjusts and whose logprobs nothing reads (a grammar's mask follows the
-        commit: `_overlapped_step`)."""
+        decoding one token whose logprobs nothing reads (a grammar's mask and a row's penalties follow the commit:
+        `_overlapped_step`)."""
         if not self.config.async_scheduling or k > 0 or any(end is not None for end in ends):
             return False
         if self._in_flight is not None:  # `_continues` held: the same rows, nothing admitted or preempted
             assert rows == self._in_flight.rows, "async scheduling: the rows changed under an in-flight step"
             return True
-        return all(
-            self.target_cache.lengths[r.slot] == len(r.tokens) - 1
-            and r.params.logprobs is None
-            and not r.params.adjusts_logits
-            for r in rows
-        )
+        return all(self.target_cache.lengths[r.slot] == len(r.tokens) - 1 and r.params.logprobs is None for r in rows)
 
     def _continues(self, in_flight: InFlight) -> bool:
         """Whether the next step may launch before ``in_flight``'s tokens are read: the same rows run (none
@@ -583,10 +581,10 @@ class Engine:
 
     def _overlapped_step(self, rows: list[Request]) -> list[StreamDelta]:
         """Launch a plain decode step's forward over `rows` (fed the in-flight step's tokens on the device, if one
-        runs), read and commit the in-flight step while the device runs it, then sample: a grammar row's mask
-        follows the token just committed. Returns the in-flight step's deltas."""
+        runs), read and commit the in-flight step while the device runs it, then sample: a grammar row's mask and a
+        row's penalties follow the tokens just committed. Returns the in-flight step's deltas."""
         previous = self._in_flight
-        inputs = self._verify_inputs(rows, 0)
+        inputs = self._verify_inputs(rows, 0, adjust=False)
         threads = self._threads_for(inputs.batch)
         if previous is not None:
             # Each row feeds its in-flight token, a placeholder on the host (-1 where its mask allowed nothing: that
@@ -597,8 +595,10 @@ class Engine:
             logits = self._mask_padding(out.logits.view(len(rows), 1, -1))
         deltas = [] if previous is None else self._commit_in_flight(previous, continuing=True)
         bitmask = self._next_masks(rows)
+        adjustments = sampling.adjustments(rows, self.target.vocab_size, self.device)
         with torch_threads(threads):
-            result = self._accept(rows, logits, inputs.drafts, bitmask, None, inputs.sampling)
+            scores = logits if adjustments is None else adjustments.apply(logits, inputs.drafts)
+            result = self._accept(rows, scores, inputs.drafts, bitmask, None, inputs.sampling)
         self._in_flight = InFlight.launch(rows, result.tokens[:, 0])
         self.overlapped_steps += 1
         for r in rows:

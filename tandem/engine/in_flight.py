@@ -4,14 +4,14 @@ A synchronous step reads its sampled tokens back, commits them on the host (text
 rows' slots), then plans and launches the next step, so the device idles while the host works. With
 ``EngineConfig.async_scheduling`` (vLLM's ``--async-scheduling``) the engine launches step N + 1's forward first, fed
 with step N's tokens where they lie on the device, and only then reads and commits step N: the host's work runs
-while the device computes step N + 1's forward. Step N + 1 samples after that commit, so a grammar row's mask is
-built from the state its token N left, as in a synchronous step.
+while the device computes step N + 1's forward. Step N + 1 samples after that commit, so a grammar row's mask and a
+row's penalties are built from the state its token N left, as in a synchronous step.
 
-Only plain decode steps: every running row decodes one token, without penalties or logit biases (their counts would
-need the in-flight token) or logprobs, and no draft (its proposal reads the committed tokens). A row that finishes
-at step N has had step N + 1 run for it; that token is dropped. While a step is in flight its rows' ``tokens`` end
-with a placeholder for its token, so that every length the scheduler and the caches read is the one after it
-(`Engine._overlapped_step`).
+Only plain decode steps: every running row decodes one token, without logprobs (read from the logits at the
+commit, which the next forward overwrites in graph mode), and no draft (its proposal reads the committed tokens). A
+row that finishes at step N has had step N + 1 run for it; that token is dropped. While a step is in flight its rows'
+``tokens`` end with a placeholder for its token, so that every length the scheduler and the caches read is the one
+after it (`Engine._overlapped_step`).
 """
 
 from __future__ import annotations

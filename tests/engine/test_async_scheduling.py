@@ -19,14 +19,15 @@ from tests.engine.test_paged_kv import _assert_pool_whole
 
 EXAMPLES = generate_examples(6, seed=3, split="heldout")
 MAX_LEN = 384
-# Greedy and sampled rows, each finishing its own way: max_tokens (one at once), EOS, a stop string.
+# Greedy and sampled rows, each finishing its own way: max_tokens (one at once), EOS, a stop string; two with
+# penalties (built from the committed tokens once the in-flight step's are).
 PARAMS = [
     SamplingParams(max_tokens=5),
-    SamplingParams(max_tokens=40, temperature=0.8, seed=5),
+    SamplingParams(max_tokens=40, temperature=0.8, seed=5, frequency_penalty=0.8),
     SamplingParams(max_tokens=64, stop=[","]),
     SamplingParams(max_tokens=64, temperature=1.0, top_p=0.9, seed=7),
     SamplingParams(max_tokens=1),
-    SamplingParams(max_tokens=48),
+    SamplingParams(max_tokens=48, repetition_penalty=1.3, logit_bias={11: 2.0}),
 ]
 
 
