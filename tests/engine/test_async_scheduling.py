@@ -74,8 +74,9 @@ def _run(
     return [(o.token_ids, o.finish_reason, o.text) for o in outputs]
 
 
-@pytest.mark.parametrize("name", ["demo-llama", "demo-deepseek"])
-@pytest.mark.parametrize("graph_mode", ["eager", "compiled"])
+@pytest.mark.parametrize(
+    "name, graph_mode", [("demo-llama", "eager"), ("demo-llama", "compiled"), ("demo-deepseek", "eager")]
+)  # demo-deepseek's graphs: tests/engine/test_graphs.py's GPU test
 def test_async_scheduling_gives_the_synchronous_outputs(models, name, graph_mode):
     """Four rows at a time of six: the last two admitted after three steps, and one aborted mid-run (its tokens
     a prefix of the synchronous run's: a step's tokens reach the host one step later, so an abort after as many
