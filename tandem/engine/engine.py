@@ -75,13 +75,14 @@ import contextlib
 import itertools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tandem.core.transfer import int64_tensor
 from tandem.decoding.acceptance import AcceptanceResult, accept
-from tandem.decoding.logprobs import token_logprobs
+from tandem.decoding.logprobs import TokenLogprob, logprob_tensors, token_logprobs
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams, SamplingTensors
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID, forbid_ids_from, sample
 from tandem.engine import sampling
@@ -528,7 +529,11 @@ class Engine:
                 bitmask = None if bitmask is None else bitmask[:, : k + 1]
                 in_thinking = None if in_thinking is None else in_thinking[:, : k + 1]
             result = self._accept(full, scores, drafts, bitmask, in_thinking, inputs.sampling)
-            deltas = self._commit(full, result.to_host(), logits)
+
+            def logprobs_of(b: int, emitted: list[int]) -> list[TokenLogprob]:  # from the positions that emitted them
+                return token_logprobs(logits[b, : len(emitted)], emitted, full[b].params.logprobs)
+
+            deltas = self._commit(full, result.to_host(), logprobs_of)
         seconds = None if prefill else self._elapsed(self._step_mark)
         if self.policy is not None and seconds is not None:
             self.policy.cost.observe(batch.num_tokens, seconds)
@@ -558,14 +563,13 @@ class Engine:
     # ---------------------------------------------------------------- async scheduling (in_flight.py)
     def _overlaps(self, rows: list[Request], k: int, ends: list[int | None]) -> bool:
         """Whether this step launches without reading back: async scheduling's plain decode step, every row
-        decoding one token whose logprobs nothing reads (a grammar's mask and a row's penalties follow the commit:
-        `_overlapped_step`)."""
+        decoding one token (a grammar's mask and a row's penalties follow the commit: `_overlapped_step`)."""
         if not self.config.async_scheduling or k > 0 or any(end is not None for end in ends):
             return False
         if self._in_flight is not None:  # `_continues` held: the same rows, nothing admitted or preempted
             assert rows == self._in_flight.rows, "async scheduling: the rows changed under an in-flight step"
             return True
-        return all(self.target_cache.lengths[r.slot] == len(r.tokens) - 1 and r.params.logprobs is None for r in rows)
+        return all(self.target_cache.lengths[r.slot] == len(r.tokens) - 1 for r in rows)
 
     def _continues(self, in_flight: InFlight) -> bool:
         """Whether the next step may launch before ``in_flight``'s tokens are read: the same rows run (none
@@ -599,7 +603,10 @@ class Engine:
         with torch_threads(threads):
             scores = logits if adjustments is None else adjustments.apply(logits, inputs.drafts)
             result = self._accept(rows, scores, inputs.drafts, bitmask, None, inputs.sampling)
-        self._in_flight = InFlight.launch(rows, result.tokens[:, 0])
+            tokens = result.tokens[:, 0]
+            num_top = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+            logprobs = () if num_top is None else logprob_tensors(logits[:, 0], tokens, num_top)
+        self._in_flight = InFlight.launch(rows, tokens, logprobs)
         self.overlapped_steps += 1
         for r in rows:
             if r.slot >= 0:
@@ -629,13 +636,17 @@ class Engine:
         """Read ``in_flight``'s tokens and commit them to its rows still running (finished and aborted rows
         gave their slots back). ``continuing``: the next step already runs, its entries in the caches."""
         tokens = in_flight.read()
-        live = [(r, token) for r, token in zip(in_flight.rows, tokens) if r.slot >= 0]
-        for r, _ in live:
+        live = [b for b, r in enumerate(in_flight.rows) if r.slot >= 0]
+        rows = [in_flight.rows[b] for b in live]
+        for r in rows:
             r.tokens.pop()  # the placeholder
-        rows = [r for r, _ in live]
         # A row whose mask allowed nothing sampled PLACEHOLDER_TOKEN_ID: a dead end, as `AcceptanceResult.to_host`.
-        results = [([], 0, True) if token == PLACEHOLDER_TOKEN_ID else ([token], 0, False) for _, token in live]
-        deltas = self._commit(rows, results, None, truncate=not continuing)
+        results = [([], 0, True) if tokens[b] == PLACEHOLDER_TOKEN_ID else ([tokens[b]], 0, False) for b in live]
+
+        def logprobs_of(i: int, emitted: list[int]) -> list[TokenLogprob]:
+            return in_flight.token_logprobs(live[i], emitted, rows[i].params.logprobs)
+
+        deltas = self._commit(rows, results, logprobs_of, truncate=not continuing)
         if not continuing:
             self._register_blocks(rows)
         return deltas
@@ -681,12 +692,12 @@ class Engine:
         self,
         rows: list[Request],
         results: list[tuple[list[int], int, bool]],
-        logits: torch.Tensor | None,
+        logprobs_of: Callable[[int, list[int]], list[TokenLogprob]],
         *,
         truncate: bool = True,
     ) -> list[StreamDelta]:
-        """Step 5: append each row's emitted tokens (`AcceptanceResult.to_host`'s rows; logits [B, k+1, V]: the
-        positions that emitted them, None when no row asks for logprobs). ``truncate=False`` keeps the target
+        """Step 5: append each row's emitted tokens (`AcceptanceResult.to_host`'s rows; ``logprobs_of(b, emitted)``:
+        row b's emitted tokens' logprobs, asked only of rows that want them). ``truncate=False`` keeps the target
         cache's entries past the committed tokens: an in-flight step's."""
         deltas = []
         for b, (r, (emitted_all, num_accepted, dead_end)) in enumerate(zip(rows, results)):
@@ -710,11 +721,7 @@ class Engine:
                 k=self.k,
                 max_model_len=self.config.max_model_len,
             )
-            logprobs = (
-                None
-                if r.params.logprobs is None
-                else token_logprobs(logits[b, : len(emitted)], emitted, r.params.logprobs)
-            )
+            logprobs = None if r.params.logprobs is None else logprobs_of(b, emitted)
             deltas.append(stream_delta(r.output, r.text, emitted, logprobs, reason))
             if reason is not None:
                 if self.draft is not None:

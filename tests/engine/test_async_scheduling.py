@@ -7,6 +7,7 @@ again. On CUDA (tests/engine/test_graphs.py) the same through captured graphs.""
 from __future__ import annotations
 
 import json
+import math
 
 import jsonschema
 import pytest
@@ -20,11 +21,11 @@ from tests.engine.test_paged_kv import _assert_pool_whole
 EXAMPLES = generate_examples(6, seed=3, split="heldout")
 MAX_LEN = 384
 # Greedy and sampled rows, each finishing its own way: max_tokens (one at once), EOS, a stop string; two with
-# penalties (built from the committed tokens once the in-flight step's are).
+# penalties (built from the committed tokens once the in-flight step's are), one with logprobs.
 PARAMS = [
     SamplingParams(max_tokens=5),
     SamplingParams(max_tokens=40, temperature=0.8, seed=5, frequency_penalty=0.8),
-    SamplingParams(max_tokens=64, stop=[","]),
+    SamplingParams(max_tokens=64, stop=[","], logprobs=3),
     SamplingParams(max_tokens=64, temperature=1.0, top_p=0.9, seed=7),
     SamplingParams(max_tokens=1),
     SamplingParams(max_tokens=48, repetition_penalty=1.3, logit_bias={11: 2.0}),
@@ -71,7 +72,33 @@ def _run(
             if steps == after:
                 engine.abort(ids[i])
     outputs = [engine.pop_finished(i) for i in ids]
-    return [(o.token_ids, o.finish_reason, o.text) for o in outputs]
+    return [(o.token_ids, o.finish_reason, o.text, _Logprobs(o.logprobs)) for o in outputs]
+
+
+class _Logprobs:
+    """A request's logprobs, equal to another's when the tokens are and the values agree to 1e-5: the async step takes
+    a log-softmax of the whole batch's logits where the synchronous one takes each row's, which may round
+    differently in the last bits (float32)."""
+
+    def __init__(self, logprobs) -> None:
+        self.logprobs = logprobs
+
+    def __eq__(self, other) -> bool:
+        if self.logprobs is None or other.logprobs is None:
+            return self.logprobs is other.logprobs
+        return len(self.logprobs) == len(other.logprobs) and all(
+            a.token_id == b.token_id
+            and [t for t, _ in a.top] == [t for t, _ in b.top]
+            and all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6) for x, y in zip(_values(a), _values(b)))
+            for a, b in zip(self.logprobs, other.logprobs)
+        )
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+
+def _values(logprob) -> list[float]:
+    return [logprob.logprob, *(value for _, value in logprob.top)]
 
 
 @pytest.mark.parametrize(
@@ -88,9 +115,10 @@ def test_async_scheduling_gives_the_synchronous_outputs(models, name, graph_mode
         assert (engine.overlapped_steps > 20) == overlap
         _assert_pool_whole(engine)
     assert [o for i, o in enumerate(outputs[True]) if i != 3] == [o for i, o in enumerate(outputs[False]) if i != 3]
-    (aborted, reason, _), (expected, _, _) = outputs[True][3], outputs[False][3]
+    (aborted, reason, *_), (expected, *_) = outputs[True][3], outputs[False][3]
     assert reason == "abort" and 0 < len(aborted) <= len(expected) and expected[: len(aborted)] == aborted
-    assert {reason for _, reason, _ in outputs[True]} == {"length", "stop", "abort"}
+    assert {reason for _, reason, *_ in outputs[True]} == {"length", "stop", "abort"}
+    assert len(outputs[True][2][3]) == len(outputs[True][2][0]) > 0  # a logprob per token
 
 
 def test_requests_queued_behind_taken_slots_keep_the_steps_overlapped(models):
@@ -134,7 +162,7 @@ def test_grammar_rows_sample_under_the_mask_their_committed_token_left(models, n
         outputs[overlap] = _run(engine, params, examples=[0, 1, 4, 2, 3])
         assert (engine.overlapped_steps > 40) == overlap
     assert outputs[True] == outputs[False]
-    for (_, reason, text), schema in zip(outputs[True][:3], (schemas[i] for i in (0, 1, 4))):
+    for (_, reason, text, _), schema in zip(outputs[True][:3], (schemas[i] for i in (0, 1, 4))):
         assert reason == "stop"
         jsonschema.validate(json.loads(text), schema)
 
