@@ -1,10 +1,12 @@
 """Async scheduling against synchronous steps: plain decoding's step time, the two interleaved in one process.
 
     python benchmarks/async_scheduling.py [--device cuda] [--dtype bfloat16] [--models demo-llama demo-deepseek]
-        [--batch 1 8] [--graph-mode compiled] [--rounds 5] [--steps 64]
+        [--batch 1 8] [--graph-mode compiled] [--rounds 5] [--steps 64] [--schema [--max-tokens 96]]
 
 For each demo target and batch size, two engines (``async_scheduling`` off and on) decode the same rows, which
-run through EOS (``ignore_eos``), in alternating rounds of ``--steps`` steps after a warm-up of 16: per engine
+run through EOS (``ignore_eos``), in alternating rounds of ``--steps`` steps after a warm-up of 16 (with ``--schema``:
+each row under its example's JSON schema, every round from prefill to the rows' ends, ``--max-tokens`` at most),
+after an untimed round each: per engine
 ``step_ms`` (the median round and the range), ``tokens_per_s`` of the median round and, with async scheduling,
 ``read_wait_ms``, the host's wait per step for the in-flight step's tokens (near the step's time: the device bounds
 the step; near 0: the host does). ``async_over_sync`` is the ratio of the medians' tokens/s, and ``exact`` whether
@@ -14,14 +16,16 @@ both engines emitted the same tokens in every round (greedy rows). One JSON obje
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.demo.corpus import generate_examples
+from tandem.demo.corpus import TASK_FAMILIES, generate_examples
 from tandem.engine import in_flight
 from tandem.llm import chat_prompt_ids
 from tandem.models.loading import DTYPES
@@ -84,12 +88,37 @@ def round_of(engine, prompts: list[list[int]], steps: int) -> dict:
     }
 
 
-def compare(engines: dict[bool, LLM], prompts: list[list[int]], rounds: int, steps: int) -> dict:
-    """Alternating rounds of the synchronous and the async engine (each round's first alternates too)."""
+def schema_round(engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+    """One round of requests under JSON schemas, prefill to their last token (they finish when their answers close,
+    or at max_tokens): the round's time per step, and each request's tokens."""
+    ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+    sync(engine.device)
+    with ReadClock() as clock:
+        start, steps = time.perf_counter(), 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        sync(engine.device)
+        seconds = time.perf_counter() - start
+    emitted = [engine.pop_finished(request_id).token_ids for request_id in ids]
+    return {
+        "step_ms": seconds * 1000 / steps,
+        "tokens": sum(map(len, emitted)),
+        "seconds": seconds,
+        "read_wait_ms": clock.seconds * 1000 / steps,
+        "emitted": emitted,
+    }
+
+
+def compare(engines: dict[bool, LLM], play: Callable[[object], dict], rounds: int) -> dict:
+    """Alternating rounds of the synchronous and the async engine (each round's first alternates too), after an
+    untimed one each (grammars compile, graphs build): ``play(engine)`` runs a round."""
     runs: dict[bool, list[dict]] = {False: [], True: []}
+    for overlap in (False, True):
+        play(engines[overlap].engine)
     for r in range(rounds):
         for overlap in (False, True) if r % 2 == 0 else (True, False):
-            runs[overlap].append(round_of(engines[overlap].engine, prompts, steps))
+            runs[overlap].append(play(engines[overlap].engine))
     row = {}
     for overlap, name in ((False, "sync"), (True, "async")):
         median = sorted(runs[overlap], key=lambda run: run["step_ms"])[len(runs[overlap]) // 2]
@@ -122,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graph-mode", choices=["auto", "eager", "compiled"], default="compiled")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=64, help="timed steps per round")
+    parser.add_argument(
+        "--schema", action="store_true", help="each request under its example's JSON schema, run to its end"
+    )
+    parser.add_argument("--max-tokens", type=int, default=96, help="with --schema: each request's max_tokens")
     args = parser.parse_args(argv)
     report = {"benchmark": "async_scheduling", "device": args.device, "dtype": args.dtype, "cases": []}
     if args.device.startswith("cuda"):
@@ -131,8 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         settings = dict(device=args.device, dtype=DTYPES[args.dtype], max_num_seqs=max(args.batch))
         engines = {o: LLM(model, graph_mode=args.graph_mode, async_scheduling=o, **settings) for o in (False, True)}
         prompts = [chat_prompt_ids(engines[False].tokenizer, e.messages, e.tools) for e in examples]
+        params = [
+            SamplingParams(max_tokens=args.max_tokens, json_schema=TASK_FAMILIES[e.family].schema) for e in examples
+        ]
         for batch in args.batch:
-            row = {"model": model, "batch": batch, **compare(engines, prompts[:batch], args.rounds, args.steps)}
+            if args.schema:
+                play = functools.partial(schema_round, prompts=prompts[:batch], params=params[:batch])
+            else:
+                play = functools.partial(round_of, prompts=prompts[:batch], steps=args.steps)
+            row = {"model": model, "batch": batch, "schema": args.schema, **compare(engines, play, args.rounds)}
             report["cases"].append(row)
             print(json.dumps(row), flush=True)
         for llm in engines.values():

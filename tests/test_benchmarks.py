@@ -114,14 +114,17 @@ def test_graph_steps_times_rows_that_run_through_eos_and_leaves_the_engine_empty
     assert ratios["eagle3", None]["compiled_over_eager"] == 2.4 and ratios["plain", None]["compiled_over_eager"] == 2.0
 
 
-def test_the_async_scheduling_benchmark_interleaves_both_engines_over_the_same_tokens(capsys):
+@pytest.mark.parametrize("schema", ["", "--schema --max-tokens 24"], ids=["free", "schema"])
+def test_the_async_scheduling_benchmark_interleaves_both_engines_over_the_same_tokens(capsys, schema):
     import json
 
     benchmark = _script("async_scheduling")
-    argv = "--device cpu --dtype float32 --models demo-llama --batch 2 --graph-mode eager --rounds 2 --steps 6"
+    argv = (
+        f"--device cpu --dtype float32 --models demo-llama --batch 2 --graph-mode eager --rounds 2 --steps 6 {schema}"
+    )
     assert benchmark.main(argv.split()) == 0
     (case,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cases"]
-    assert case["exact"] and case["async"]["read_wait_ms"] >= 0 and case["sync"]["tokens_per_s"] > 0
+    assert case["exact"] and case["schema"] == bool(schema) and case["async"]["read_wait_ms"] >= 0
     assert case["async_over_sync"] == round(case["async"]["tokens_per_s"] / case["sync"]["tokens_per_s"], 3)
 
 
