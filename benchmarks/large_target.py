@@ -177,7 +177,8 @@ def main() -> None:
     print(json.dumps(report), flush=True)
     tokenizer = load_tokenizer(ASSETS_DIR / "demo-llama")
     prompt = torch.randint(len(tokenizer), (32,), generator=torch.Generator().manual_seed(1)).tolist()
-    max_len = len(prompt) + max(args.tokens, 4 + 3 * args.steps) + 8
+    warmup = 4  # engine steps before timing
+    max_len = len(prompt) + max(args.tokens, warmup + 3 * args.steps) + 8
     cases = {}  # the report's key -> graph mode, attention, the backend compiled inside CUDA graphs
     for mode in args.graph_mode:
         for name in args.attention if mode == "compiled" else ["cudnn"]:
@@ -193,7 +194,7 @@ def main() -> None:
             os.environ[CUDA_BACKEND_ENV] = inside
         engine = tandem_engine(target, tokenizer, mode, max_len, overlap)
         top = args.top_kernels if mode == "compiled" else 0
-        timing = SimpleNamespace(warmup=4, steps=args.steps, k=0, top_kernels=top)
+        timing = SimpleNamespace(warmup=warmup, steps=args.steps, k=0, top_kernels=top)
         row = {"path": path, **measure_case(engine, [prompt], timing)}
         row["end_to_end_tokens_per_s"] = round(args.tokens / end_to_end_s(engine, prompt, args.tokens), 1)
         if "roofline_tokens_per_s" in report:

@@ -67,19 +67,24 @@ def trace_summary(trace: dict, top: int = 0) -> dict:
         return {"kernels": 0}  # no device activity (a CPU run)
     start, end = span[0][0], max(b for _, b in span)
     busy = _covered(start, end, _intervals(kernels))
-    by_name: dict[str, list] = {}
-    for kernel in kernels:
-        entry = by_name.setdefault(kernel["name"][:80], [0, 0.0])
-        entry[0] += 1
-        entry[1] += kernel["dur"]
-    heaviest = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
     return {
         "kernels": len(kernels),
         "window_us": round(end - start, 1),
         "device_busy_fraction": round(busy / (end - start), 3),
         "device_busy_us": round(busy, 1),
         "htod_copies_by_stream": {str(s): row for s, row in streams.items()},
-    } | ({"top_kernels": {name: [n, round(us, 1)] for name, (n, us) in heaviest}} if top else {})
+    } | ({"top_kernels": _heaviest(kernels, top)} if top else {})
+
+
+def _heaviest(kernels: list[dict], top: int) -> dict[str, list]:
+    """The ``top`` kernel names by device time in all: name (its first 80 characters) -> [launches, microseconds]."""
+    by_name: dict[str, list] = {}
+    for kernel in kernels:
+        entry = by_name.setdefault(kernel["name"][:80], [0, 0.0])
+        entry[0] += 1
+        entry[1] += kernel["dur"]
+    heaviest = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return {name: [n, round(us, 1)] for name, (n, us) in heaviest}
 
 
 def main() -> None:

@@ -159,8 +159,8 @@ class BlockPool:
         """Give ``slot`` blocks of its domain until they hold ``num_positions`` positions, evicting the domain's
         least recently used cached blocks if needed; False (and nothing changed) when too few are free."""
         row, domain = self.table.rows[slot], self.domain(slot)
-        needed = self.blocks_for(num_positions) - len(row)
-        if needed <= 0:
+        needed = self._missing(slot, num_positions)
+        if needed == 0:
             return True
         if needed > self.free_in(domain):
             return False
@@ -172,8 +172,12 @@ class BlockPool:
         """Whether :meth:`grow` would succeed for every ``slot: num_positions`` of ``wants`` together."""
         needed = [0] * self.domains
         for slot, num_positions in wants.items():
-            needed[self.domain(slot)] += max(self.blocks_for(num_positions) - len(self.table.rows[slot]), 0)
+            needed[self.domain(slot)] += self._missing(slot, num_positions)
         return all(n <= self.free_in(domain) for domain, n in enumerate(needed))
+
+    def _missing(self, slot: int, num_positions: int) -> int:
+        """The blocks ``slot`` lacks to hold ``num_positions`` positions (:meth:`grow` takes them)."""
+        return max(self.blocks_for(num_positions) - len(self.table.rows[slot]), 0)
 
     def trim(self, slot: int, num_positions: int) -> None:
         """Give back ``slot``'s blocks past its first ``num_positions`` positions (never a registered one)."""

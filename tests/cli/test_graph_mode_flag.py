@@ -47,28 +47,17 @@ def test_an_unknown_graph_mode_is_refused(capsys):
 
 
 @pytest.mark.parametrize(
-    "argv, adaptive",
+    "argv, setting, value",
     [
-        (["generate", "--no-adaptive"], False),
-        (["generate"], True),
-        (["serve", "--draft", "none", "--no-adaptive"], False),
+        (["generate", "--no-adaptive"], "adaptive", False),
+        (["generate"], "adaptive", True),
+        (["serve", "--draft", "none", "--no-adaptive"], "adaptive", False),
+        (["generate", "--draft", "none", "--async-scheduling"], "async_scheduling", True),
+        (["generate"], "async_scheduling", False),
+        (["serve", "--draft", "none", "--async-scheduling"], "async_scheduling", True),
     ],
 )
-def test_the_adaptive_flag_reaches_the_llm(llm_kwargs, argv, adaptive):
+def test_the_adaptive_and_async_scheduling_flags_reach_the_llm(llm_kwargs, argv, setting, value):
     with pytest.raises(Built):
         main(argv)
-    assert [kwargs["adaptive"] for kwargs in llm_kwargs] == [adaptive]
-
-
-@pytest.mark.parametrize(
-    "argv, overlap",
-    [
-        (["generate", "--draft", "none", "--async-scheduling"], True),
-        (["generate"], False),
-        (["serve", "--draft", "none", "--async-scheduling"], True),
-    ],
-)
-def test_the_async_scheduling_flag_reaches_the_llm(llm_kwargs, argv, overlap):
-    with pytest.raises(Built):
-        main(argv)
-    assert [kwargs["async_scheduling"] for kwargs in llm_kwargs] == [overlap]
+    assert [kwargs[setting] for kwargs in llm_kwargs] == [value]

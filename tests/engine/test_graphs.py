@@ -285,9 +285,9 @@ def test_graphs_over_inductors_kernels_replay_the_eager_tokens(monkeypatch):
     from tandem import LLM
     from tests.engine.test_device_reads import _device_reads
 
+    monkeypatch.setenv("TANDEM_CUDA_COMPILE_BACKEND", "inductor")
     outputs = {}
     for mode in ("eager", "compiled"):
-        monkeypatch.setenv("TANDEM_CUDA_COMPILE_BACKEND", "inductor")
         settings = dict(device="cuda", dtype=torch.float32, max_num_seqs=1, graph_mode=mode, adaptive=False)
         engine = LLM("demo-llama", "eagle3", **settings).engine  # at a fixed k: every step drafts
         outputs[mode] = _generate(engine, [SamplingParams(max_tokens=24)])
