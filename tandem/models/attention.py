@@ -112,8 +112,8 @@ class BlockAddressing:
     position ``p`` is entry ``p % block_size`` of block ``tables[b, p // block_size - first_table_block]``.
     Keys are read for positions ``key_start .. key_end - 1``."""
 
-    write_index: Tensor | None  # [T] int64: each token's entry in the pool flattened to [num_blocks * block_size]
-    write_start: int | None  # the first of T consecutive flat entries (a slice write), when write_index is None
+    write_at: tuple[Tensor, Tensor] | None  # ([T], [T]) int64: each token's block and its entry in that block
+    write_start: int | None  # the first of T consecutive entries of the pool flattened (a slice write), else None
     tables: Tensor | None  # [B, nb] int64: each row's blocks over the key window (None: first_block's view)
     first_block: int | None  # the window's blocks are first_block .. first_block + B * nb - 1 in row order
     num_rows: int
@@ -128,12 +128,15 @@ class BlockAddressing:
 
     def write(self, cache: Tensor, entries: Tensor) -> None:
         """Store ``entries [T, ...]`` at each token's block and offset of ``cache [num_blocks, block_size, ...]``;
-        a slice copy when they are consecutive (one row's), cheaper than the scatter, and it runs in every layer."""
-        flat = cache.flatten(0, 1)
-        if self.write_index is None:
-            flat[self.write_start : self.write_start + entries.shape[0]] = entries
+        a slice copy when they are consecutive (one row's), cheaper than the scatter, and it runs in every layer.
+
+        The scatter indexes the pool by (block, entry), not a flattened view of it: a compiled graph that writes one
+        pool more than once (a chained draft's steps) then updates it in place, where the view made inductor copy
+        the whole pool and copy it back at every call."""
+        if self.write_at is None:
+            cache.flatten(0, 1)[self.write_start : self.write_start + entries.shape[0]] = entries
         else:
-            flat[self.write_index] = entries.to(cache.dtype)
+            cache.index_put_(self.write_at, entries.to(cache.dtype))
 
     def gather(self, cache: Tensor) -> Tensor:
         """The rows' keys: ``cache [num_blocks, block_size, ...]`` -> ``[B, num_keys, ...]``, a view of the pool
@@ -155,9 +158,9 @@ def _plan_key(spans: RowSpans, cache: KVCache) -> tuple:
 
 
 def _addressing(spans: RowSpans, cache: KVCache, staging: Staging) -> BlockAddressing:
-    """Where the rows ``spans`` write and read in ``cache``, from the block table's host rows: a write index and
-    the key window's tables ``[B, nb]`` (a row's blocks, then the scratch block's) staged in ``staging`` unless
-    the writes are a slice and the window's blocks a view of the pool."""
+    """Where the rows ``spans`` write and read in ``cache``, from the block table's host rows: the writes' blocks
+    and entries, and the key window's tables ``[B, nb]`` (a row's blocks, then the scratch block's), staged in
+    ``staging`` unless the writes are a slice and the window's blocks a view of the pool."""
     table, key_start, size = cache.table, cache.first_position, cache.table.block_size
     ends = spans.ends()
     max_key = max(ends)
@@ -167,12 +170,14 @@ def _addressing(spans: RowSpans, cache: KVCache, staging: Staging) -> BlockAddre
     rows = [table.rows[slot][first : first + window] for slot in spans.slots]
     ids = [b for row in rows for b in row]
     in_order = len(ids) == len(rows) * window and ids == list(range(ids[0], ids[0] + len(ids)))
-    tables = None
+    write_at = tables = None
+    if not consecutive:  # each token's block, then its entry in the block: one [2, T] copy
+        write_at = staging.int64([f // size for f in flat] + [f % size for f in flat]).view(2, -1).unbind()
     if not in_order:
         padded = [b for row in rows for b in (*row, *[table.scratch_block] * (window - len(row)))]
         tables = staging.int64(padded).view(len(rows), window)
     return BlockAddressing(
-        write_index=None if consecutive else staging.int64(flat),
+        write_at=write_at,
         write_start=flat[0] if consecutive else None,
         tables=tables,
         first_block=ids[0] if in_order else None,
@@ -262,8 +267,9 @@ class RaggedLayout:
         """
         num_rows, max_query = positions.shape
         key_end = tables.shape[1] * block_size
+        write_at = write_index.div(block_size, rounding_mode="floor"), write_index.remainder(block_size)
         addressing = BlockAddressing(
-            write_index, None, tables, None, num_rows, block_size, key_offset=0, key_start=key_start, key_end=key_end
+            write_at, None, tables, None, num_rows, block_size, key_offset=0, key_start=key_start, key_end=key_end
         )
         return cls(addressing, num_rows, None, True, max_query, key_end, positions)
 

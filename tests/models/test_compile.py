@@ -12,7 +12,9 @@ wrong key seen, an entry in the wrong slot) moves them by orders of magnitude mo
 
 from __future__ import annotations
 
+import math
 import random
+import re
 
 import pytest
 import torch
@@ -129,3 +131,32 @@ def test_cpu_linear_op_passes_opcheck():
         torch.library.opcheck(torch.ops.tandem.cpu_linear.default, (x, weight, bias))
         expected = torch.nn.functional.linear(x, weight.float(), bias)
         torch.testing.assert_close(torch.ops.tandem.cpu_linear(x, weight, bias), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_graph_that_writes_a_pool_twice_updates_it_in_place():
+    """A chained draft's graph writes its one pool at every step, reading it between. Inductor must scatter into
+    the pool itself: a write through a flattened view of it made the generated code copy the whole pool into a
+    fresh buffer and back at every call (the pool is max_num_seqs x max_model_len entries)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from tandem.models.attention import RaggedLayout
+
+    pool = torch.zeros(64, 4, 2, 2, 8)  # [num_blocks, block_size, 2, nkv, d]
+    tables = torch.tensor([[5, 9], [7, 3]])
+
+    def two_steps(pool, positions, writes, tables, entries):
+        out = []
+        for step in range(2):
+            layout = RaggedLayout.static(positions + step, writes + step, tables, 0, pool.shape[1])
+            layout.addressing.write(pool, entries + step)
+            out.append(layout.addressing.gather(pool).sum())
+        return torch.stack(out)
+
+    args = (torch.tensor([[2], [5]]), torch.tensor([5 * 4 + 2, 3 * 4 + 1]), tables, torch.ones(2, 2, 2, 8))
+    expected = two_steps(pool.clone(), *args)
+    got, (code,) = run_and_get_code(torch.compile(two_steps, fullgraph=True, backend="inductor"), pool, *args)
+    torch.testing.assert_close(got, expected)
+    assert pool[5, 2].eq(1).all() and pool[5, 3].eq(2).all() and pool[3, 1].eq(1).all() and pool[3, 2].eq(2).all()
+    shapes = re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", code)
+    sizes = [math.prod(int(n) for n in shape.split(",") if n.strip()) for shape in shapes]
+    assert max(sizes) < pool.numel() // 8, f"a buffer of {max(sizes)} elements beside a pool of {pool.numel()}"

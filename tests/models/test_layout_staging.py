@@ -46,10 +46,10 @@ def _copies(monkeypatch) -> list[int]:
 def _same(a: BlockAddressing, b: BlockAddressing) -> None:
     for name in ("write_start", "first_block", "num_rows", "block_size", "key_offset", "key_start", "key_end"):
         assert getattr(a, name) == getattr(b, name), name
-    for name in ("write_index", "tables"):
-        x, y = getattr(a, name), getattr(b, name)
-        assert (x is None) == (y is None), name
-        assert x is None or torch.equal(x, y), name
+    assert (a.write_at is None) == (b.write_at is None)
+    assert a.write_at is None or all(torch.equal(x, y) for x, y in zip(a.write_at, b.write_at))
+    assert (a.tables is None) == (b.tables is None)
+    assert a.tables is None or torch.equal(a.tables, b.tables)
 
 
 @pytest.mark.parametrize("first_position", [0, 1], ids=["target", "draft"])
@@ -68,7 +68,7 @@ def test_a_staged_chain_is_what_build_plans_and_copies_nothing_more(monkeypatch,
     for batch, addressing in zip(batches, staged):
         own = RaggedLayout.build(batch, cache).addressing  # planned now (its plan was taken)
         _same(addressing, own)
-        assert own.write_index is not None and own.tables is not None
+        assert own.write_at is not None and own.tables is not None
     assert sent == [1, 1, 1]  # on its own, a layout's write index and tables share one copy
 
 
@@ -85,7 +85,7 @@ def test_the_staged_tables_are_the_block_tables_rows_over_the_key_window():
     assert a.tables[1, -1] == cache.table.scratch_block  # slot 0's blocks end before the window does
     ends = SPANS.ends()
     expected = [cache.table.flat_index(s, p) for s, b, e in zip(SPANS.slots, SPANS.starts, ends) for p in range(b, e)]
-    assert a.write_index.tolist() == expected
+    assert [b * BLOCK + e for b, e in zip(*(t.tolist() for t in a.write_at))] == expected
 
 
 def test_a_plan_made_before_the_block_table_changed_is_not_used(monkeypatch):
@@ -99,7 +99,8 @@ def test_a_plan_made_before_the_block_table_changed_is_not_used(monkeypatch):
     sent = _copies(monkeypatch)
     addressing = RaggedLayout.build(batch, cache).addressing
     assert sent == [1]
-    assert addressing.write_index[:3].tolist() == [moved[2] * BLOCK + p for p in (1, 2, 3)]  # positions 9..11
+    blocks, entries = (t[:3].tolist() for t in addressing.write_at)  # positions 9..11
+    assert blocks == [moved[2]] * 3 and entries == [1, 2, 3]
 
 
 def test_a_new_stage_replaces_the_plans_before_it():
