@@ -207,7 +207,8 @@ class RaggedLayout:
     @classmethod
     def build(cls, batch: ForwardBatch, cache: KVCache) -> RaggedLayout:
         """The layout of ``batch`` over ``cache``'s block table (keys from its ``first_position``): its addressing as
-        :meth:`stage` planned it, else planned now and sent in one copy (when it needs a write index or tables)."""
+        :meth:`stage` planned it, else planned now and sent in one copy (when its writes scatter or its tables are
+        not a view of the pool)."""
         spans = batch.spans
         addressing = cache.planned.pop(_plan_key(spans, cache), None)
         if addressing is None:
