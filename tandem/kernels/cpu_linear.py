@@ -88,7 +88,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 # :func:`linear` as an operator, what a compiled graph calls (``x`` contiguous, as :func:`applies` asks). Defined
 # through a library fragment with a CPU kernel rather than ``torch.library.custom_op``: a compiled step calls it
-# for every matmul, and custom_op's wrapper added about twice the dispatcher's cost to each call.
+# for every matmul, and custom_op runs its own Python wrapper around each call besides the dispatcher.
 _library = torch.library.Library("tandem", "FRAGMENT")
 _library.define("cpu_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _library.impl("cpu_linear", linear, "CPU")

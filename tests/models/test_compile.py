@@ -18,10 +18,12 @@ import re
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 from tandem.engine.graphs import GraphRunner
 from tandem.kernels import cpu_linear
 from tandem.llm import resolve_model
+from tandem.models.attention import RaggedLayout
 from tandem.models.base import ForwardBatch
 from tandem.models.linear import narrow_exact_weights
 from tandem.models.loading import load_draft, load_target
@@ -137,10 +139,6 @@ def test_a_graph_that_writes_a_pool_twice_updates_it_in_place():
     """A chained draft's graph writes its one pool at every step, reading it between. Inductor must scatter into
     the pool itself: a write through a flattened view of it made the generated code copy the whole pool into a
     fresh buffer and back at every call (the pool is max_num_seqs x max_model_len entries)."""
-    from torch._inductor.utils import run_and_get_code
-
-    from tandem.models.attention import RaggedLayout
-
     pool = torch.zeros(64, 4, 2, 2, 8)  # [num_blocks, block_size, 2, nkv, d]
     tables = torch.tensor([[5, 9], [7, 3]])
 
