@@ -6,12 +6,19 @@
 
    A decode or verify step multiplies a few rows by every weight once. Widening the weights to
    float32 and calling sgemm writes and re-reads them, and sgemm's small-M path is slower than a
-   GEMV. Here each weight row of 16 outputs is widened in registers (a bfloat16 is the top half of
-   a float32) and multiplied into the accumulators of up to MAX_BLOCK_ROWS rows at once, so it is
-   read once per block.
+   GEMV. Here each weight row of a block's columns is widened in registers (a bfloat16 is the top
+   half of a float32) and multiplied into the accumulators of the block's rows, so it is read once
+   per block of rows.
+
+   A block walks down its columns, one weight row every `ldw` elements: a stride of kilobytes, a
+   new page every row or two, where the hardware prefetchers stop. A step's weights come from the
+   last-level cache or from memory (a model's layers together outgrow the core's own caches), so
+   a block reads as wide a piece of each weight row as its registers hold, and prefetches the rows
+   PREFETCH_ROWS ahead itself. Blocks of one row (decode, drafting) are ROW_VECTORS wide; blocks
+   of several rows share the registers between their rows' accumulators.
 
    Every out[m, n] is one fused multiply-add chain over k in order, whatever M is and however
-   the rows are blocked: a row's result does not depend on the batch it is in. */
+   the rows and columns are blocked: a row's result does not depend on the batch it is in. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,61 +30,85 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma")
 #include <immintrin.h>
 
-#define MAX_BLOCK_ROWS 6 /* accumulators: MAX_BLOCK_ROWS * VECTORS of the 32 vector registers */
-#define VECTORS 4        /* 16 outputs each */
+#define MAX_BLOCK_ROWS 6 /* a block of several rows: MAX_BLOCK_ROWS * VECTORS accumulators of the 32 registers */
+#define VECTORS 4        /* a block of several rows' width, in vectors of 16 outputs */
+#define ROW_VECTORS 16   /* a block of one row's width */
+#define PREFETCH_ROWS 32 /* how far ahead of its weight row a block prefetches */
 
 static inline __attribute__((always_inline)) __m512 load_bf16(const uint16_t *p, __mmask16 mask) {
     __m256i half = mask == 0xFFFF ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(mask, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
-/* rows (<= MAX_BLOCK_ROWS) rows of x times `vectors` * 16 columns of wt, the last vector holding
-   the columns in `tail`. Inlined with constants for the full blocks, which then load unmasked. */
-static inline __attribute__((always_inline)) void block(const float *x, int rows, int k_size, const uint16_t *wt,
-                                                        int64_t ldw, int n_size, int vectors, __mmask16 tail,
-                                                        const float *bias, float *out) {
-    __m512 acc[MAX_BLOCK_ROWS][VECTORS];
-    for (int m = 0; m < MAX_BLOCK_ROWS; m++)
-        for (int v = 0; v < VECTORS; v++) acc[m][v] = _mm512_setzero_ps();
+/* rows (<= max_rows) rows of x times `vectors` (<= max_vectors) * 16 columns of wt, the last vector
+   holding the columns in `tail`. Inlined with constants for max_rows and max_vectors, which size the
+   accumulators, and for the full blocks' vectors, which then load unmasked. */
+static inline __attribute__((always_inline)) void block(const float *x, int rows, int max_rows, int k_size,
+                                                        const uint16_t *wt, int64_t ldw, int n_size, int vectors,
+                                                        int max_vectors, __mmask16 tail, const float *bias,
+                                                        float *out) {
+    __m512 acc[MAX_BLOCK_ROWS * ROW_VECTORS];
+#pragma GCC unroll 16
+    for (int i = 0; i < max_rows * max_vectors; i++) acc[i] = _mm512_setzero_ps();
     for (int k = 0; k < k_size; k++) {
         const uint16_t *w_row = wt + k * ldw;
-        __m512 w[VECTORS];
-        for (int v = 0; v < VECTORS; v++)
+        if (k + PREFETCH_ROWS < k_size) {
+            const char *ahead = (const char *)(w_row + PREFETCH_ROWS * ldw);
+#pragma GCC unroll 16
+            for (int v = 0; v < max_vectors; v += 2) /* a cache line: two vectors' 32 bfloat16 */
+                if (v < vectors) _mm_prefetch(ahead + 32 * v, _MM_HINT_T0);
+        }
+        __m512 w[ROW_VECTORS];
+#pragma GCC unroll 16
+        for (int v = 0; v < max_vectors; v++)
             w[v] = v < vectors ? load_bf16(w_row + 16 * v, v == vectors - 1 ? tail : 0xFFFF) : _mm512_setzero_ps();
-        for (int m = 0; m < MAX_BLOCK_ROWS; m++)
+#pragma GCC unroll 6
+        for (int m = 0; m < max_rows; m++)
             if (m < rows) {
                 __m512 xv = _mm512_set1_ps(x[(int64_t)m * k_size + k]);
-                for (int v = 0; v < VECTORS; v++)
-                    if (v < vectors) acc[m][v] = _mm512_fmadd_ps(xv, w[v], acc[m][v]);
+#pragma GCC unroll 16
+                for (int v = 0; v < max_vectors; v++)
+                    if (v < vectors) acc[m * max_vectors + v] = _mm512_fmadd_ps(xv, w[v], acc[m * max_vectors + v]);
             }
     }
     for (int m = 0; m < rows; m++)
         for (int v = 0; v < vectors; v++) {
             __mmask16 mask = v == vectors - 1 ? tail : 0xFFFF;
-            __m512 r = acc[m][v];
+            __m512 r = acc[m * max_vectors + v];
             if (bias) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(mask, bias + 16 * v));
             _mm512_mask_storeu_ps(out + (int64_t)m * n_size + 16 * v, mask, r);
         }
 }
 
+/* Rows m0 .. m0 + rows - 1 (rows <= max_rows) over every column, in blocks of max_vectors vectors. */
+static inline __attribute__((always_inline)) void row_block(const float *x, int rows, int max_rows, int k_size,
+                                                            const uint16_t *wt, int64_t ldw, int n_size,
+                                                            int max_vectors, const float *bias, float *out) {
+    for (int n0 = 0; n0 < n_size; n0 += 16 * max_vectors) {
+        const float *b = bias ? bias + n0 : NULL;
+        int left = n_size - n0;
+        if (left >= 16 * max_vectors) {
+            block(x, rows, max_rows, k_size, wt + n0, ldw, n_size, max_vectors, max_vectors, 0xFFFF, b, out + n0);
+        } else {
+            int vectors = (left + 15) / 16, last = left - 16 * (vectors - 1); /* last: 1..16 columns */
+            __mmask16 tail = (__mmask16)(last == 16 ? 0xFFFF : (1u << last) - 1);
+            block(x, rows, max_rows, k_size, wt + n0, ldw, n_size, vectors, max_vectors, tail, b, out + n0);
+        }
+    }
+}
+
 static void linear(const float *x, const uint16_t *wt, const float *bias, float *out, int m_size, int k_size,
                    int n_size, int64_t ldw) {
+    if (m_size == 1) {
+        row_block(x, 1, 1, k_size, wt, ldw, n_size, ROW_VECTORS, bias, out);
+        return;
+    }
     int blocks = (m_size + MAX_BLOCK_ROWS - 1) / MAX_BLOCK_ROWS;
     int block_rows = (m_size + blocks - 1) / blocks; /* 8 rows: two blocks of 4, not 6 + 2 */
     for (int m0 = 0; m0 < m_size; m0 += block_rows) {
         int rows = m_size - m0 < block_rows ? m_size - m0 : block_rows;
-        for (int n0 = 0; n0 < n_size; n0 += 16 * VECTORS) {
-            const float *x_block = x + (int64_t)m0 * k_size, *b = bias ? bias + n0 : NULL;
-            float *out_block = out + (int64_t)m0 * n_size + n0;
-            int left = n_size - n0;
-            if (left >= 16 * VECTORS) {
-                block(x_block, rows, k_size, wt + n0, ldw, n_size, VECTORS, 0xFFFF, b, out_block);
-            } else {
-                int vectors = (left + 15) / 16, last = left - 16 * (vectors - 1); /* last: 1..16 columns */
-                __mmask16 tail = (__mmask16)(last == 16 ? 0xFFFF : (1u << last) - 1);
-                block(x_block, rows, k_size, wt + n0, ldw, n_size, vectors, tail, b, out_block);
-            }
-        }
+        row_block(x + (int64_t)m0 * k_size, rows, MAX_BLOCK_ROWS, k_size, wt, ldw, n_size, VECTORS, bias,
+                  out + (int64_t)m0 * n_size);
     }
 }
 #pragma GCC pop_options
