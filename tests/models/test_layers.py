@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tandem.kernels import cpu_norm
 from tandem.models.norm import RMSNorm
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -24,11 +25,19 @@ def test_a_narrow_rms_norm_rounds_its_float32_result_once(dtype):
     assert ((out.double() - exact).abs() / exact.abs()).max() <= 1.5 * UNIT_ROUNDOFF[dtype]
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
 @torch.inference_mode()
-def test_a_float32_rms_norm_is_hf_arithmetic():
+def test_a_float32_rms_norm_is_hf_arithmetic(kernel, monkeypatch):
+    """Op for op with torch's ops; the CPU kernel (`tandem.kernels.cpu_norm`) sums the squares in its own order."""
+    if kernel and not cpu_norm.available():
+        pytest.skip("the CPU norm is not built")
+    monkeypatch.setattr(cpu_norm, "_AVAILABLE", kernel)
     gen = torch.Generator().manual_seed(0)
     norm = RMSNorm(64, 1e-5)
     norm.weight.copy_(torch.randn(64, generator=gen))
     x = torch.randn(8, 64, generator=gen)
     hf = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-    torch.testing.assert_close(norm(x), hf, rtol=1e-6, atol=1e-6)
+    if kernel:
+        torch.testing.assert_close(norm(x), hf, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(norm(x), hf)

@@ -1,4 +1,4 @@
-"""The CPU's linears of one decode, verify or batched step: the C kernel against ``F.linear``, weights hot and cold.
+"""The CPU's C kernels over one forward's linears and norms, against the torch paths they replace.
 
 A shipped demo model is loaded as the engine loads it on the CPU (float32, its matmul weights narrowed to
 bfloat16: ``tandem.models.linear.narrow_exact_weights``), and every linear of one target forward (each layer's
@@ -11,10 +11,13 @@ QKV, output, gate/up and down projections, then the LM head) runs on ``rows`` fl
 - ``f_linear_us``: ``F.linear`` on each weight widened to float32 per call, the path of a CPU without AVX-512
   (and of a step past ``cpu_linear.MAX_ROWS`` rows).
 
+Then every RMSNorm of the forward on ``rows`` rows: ``norm_kernel_us`` through the C kernel
+(:mod:`tandem.kernels.cpu_norm`), ``norm_torch_us`` through torch's ops (the path without the kernel).
+
 Each is the fastest of ``--repeats`` timed loops (timeit's rule: slower loops measure the machine's other load).
 One thread, as the engine runs steps of few tokens. Prints one JSON object (the last line of stdout).
 
-    python benchmarks/cpu_linear.py [--models demo-llama demo-deepseek] [--rows 1 5 8 40] [--repeats 200]
+    python benchmarks/cpu_kernels.py [--models demo-llama demo-deepseek] [--rows 1 5 8 40] [--repeats 200]
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels import cpu_linear
+from tandem.kernels import cpu_linear, cpu_norm
 from tandem.llm import resolve_model
 from tandem.models import load_target
 from tandem.models.linear import linear, narrow_exact_weights, widened
+from tandem.models.norm import RMSNorm
 
 
 def forward_weights(target: torch.nn.Module) -> list[torch.Tensor]:
@@ -63,7 +67,9 @@ def bench_model(model: str, rows: list[int], repeats: int) -> dict:
     target = load_target(resolve_model(model, None), dtype=torch.float32)
     narrow_exact_weights(target)
     weights = forward_weights(target)
-    results = {"linears": len(weights), "weight_bytes": sum(w.numel() * w.element_size() for w in weights)}
+    norms = [m for m in target.modules() if isinstance(m, RMSNorm)]
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    results = {"linears": len(weights), "norms": len(norms), "weight_bytes": weight_bytes}
     for m in rows:
         inputs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}
 
@@ -79,8 +85,27 @@ def bench_model(model: str, rows: list[int], repeats: int) -> dict:
             row["kernel_hot_us"] = round(fastest_us(calls(hot, linear), repeats), 1)
             row["kernel_over_f_linear"] = round(row["kernel_us"] / row["f_linear_us"], 3)
             row["cold_over_hot"] = round(row["kernel_us"] / row["kernel_hot_us"], 3)
+        row.update(norm_times(norms, m, repeats))
         results[f"rows_{m}"] = row
     return results
+
+
+def norm_times(norms: list[RMSNorm], rows: int, repeats: int) -> dict:
+    """Every norm of a forward on ``rows`` rows through torch's ops, and through the C kernel where it is built
+    (switched as the layers read it: ``cpu_norm._AVAILABLE``)."""
+    inputs = {n.weight.shape[0]: torch.randn(rows, n.weight.shape[0]) for n in norms}
+    calls = [lambda n=n: n(inputs[n.weight.shape[0]]) for n in norms]
+    built = cpu_norm.available()
+    times = {}
+    try:
+        for name, on in (("norm_torch_us", False), ("norm_kernel_us", True))[: 2 if built else 1]:
+            cpu_norm._AVAILABLE = on
+            times[name] = round(fastest_us(calls, repeats), 1)
+    finally:
+        cpu_norm._AVAILABLE = built
+    if built:
+        times["norm_kernel_over_torch"] = round(times["norm_kernel_us"] / times["norm_torch_us"], 3)
+    return times
 
 
 def main() -> None:
@@ -94,6 +119,7 @@ def main() -> None:
     report = {
         "machine": platform.processor() or platform.machine(),
         "kernel": cpu_linear.available(),
+        "norm_kernel": cpu_norm.available(),
         "threads": 1,
         "models": {},
     }
