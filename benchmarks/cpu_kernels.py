@@ -12,12 +12,16 @@ QKV, output, gate/up and down projections, then the LM head) runs on ``rows`` fl
   (and of a step past ``cpu_linear.MAX_ROWS`` rows).
 
 Then every RMSNorm of the forward on ``rows`` rows: ``norm_kernel_us`` through the C kernel
-(:mod:`tandem.kernels.cpu_norm`), ``norm_torch_us`` through torch's ops (the path without the kernel).
+(:mod:`tandem.kernels.cpu_norm`), ``norm_torch_us`` through torch's ops (the path without the kernel). And, for
+steps the paged-attention kernel takes (at most ``FOLD_MAX_QUERY`` tokens), a whole forward of ``rows`` tokens of
+one row at ``--context`` tokens of context, its attention through the C kernel (:mod:`tandem.kernels.cpu_attention`,
+``forward_kernel_attention_us``) and through gather + sdpa (``forward_torch_attention_us``).
 
 Each is the fastest of ``--repeats`` timed loops (timeit's rule: slower loops measure the machine's other load).
 One thread, as the engine runs steps of few tokens. Prints one JSON object (the last line of stdout).
 
-    python benchmarks/cpu_kernels.py [--models demo-llama demo-deepseek] [--rows 1 5 8 40] [--repeats 200]
+    python benchmarks/cpu_kernels.py [--models demo-llama demo-deepseek] [--rows 1 5 8 40] [--context 200]
+                                     [--repeats 200]
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels import cpu_linear, cpu_norm
+from tandem.kernels import cpu_attention, cpu_linear, cpu_norm
 from tandem.llm import resolve_model
-from tandem.models import load_target
+from tandem.models import ForwardBatch, attention, load_target
 from tandem.models.linear import linear, narrow_exact_weights, widened
 from tandem.models.norm import RMSNorm
 
@@ -63,7 +67,7 @@ def fastest_us(calls: list, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def bench_model(model: str, rows: list[int], repeats: int) -> dict:
+def bench_model(model: str, rows: list[int], repeats: int, context: int = 200) -> dict:
     target = load_target(resolve_model(model, None), dtype=torch.float32)
     narrow_exact_weights(target)
     weights = forward_weights(target)
@@ -86,6 +90,7 @@ def bench_model(model: str, rows: list[int], repeats: int) -> dict:
             row["kernel_over_f_linear"] = round(row["kernel_us"] / row["f_linear_us"], 3)
             row["cold_over_hot"] = round(row["kernel_us"] / row["kernel_hot_us"], 3)
         row.update(norm_times(norms, m, repeats))
+        row.update(attention_times(target, m, context, repeats))
         results[f"rows_{m}"] = row
     return results
 
@@ -108,10 +113,43 @@ def norm_times(norms: list[RMSNorm], rows: int, repeats: int) -> dict:
     return times
 
 
+def attention_times(target, rows: int, context: int, repeats: int) -> dict:
+    """A forward of ``rows`` tokens of one row at ``context`` tokens of context, its attention through gather + sdpa
+    and, where the CPU's kernel takes such a step, through it (switched as the layers read it:
+    ``attention.attention_backend``); nothing for longer steps, which keep sdpa."""
+    if rows > attention.FOLD_MAX_QUERY:
+        return {}
+    g = torch.Generator().manual_seed(0)
+    cache = target.new_cache(1, context + rows)
+    target.forward(
+        ForwardBatch.from_rows([torch.randint(target.vocab_size, (context,), generator=g).tolist()], [0], [0]), cache
+    )
+    step = ForwardBatch.from_rows([torch.randint(target.vocab_size, (rows,), generator=g).tolist()], [context], [0])
+
+    def forward():
+        cache.truncate([0], [context])
+        target.forward(step, cache)
+
+    chosen, times = attention.attention_backend, {}
+    try:
+        for name, backend in (("forward_torch_attention_us", "torch"), ("forward_kernel_attention_us", "auto")):
+            if backend == "torch" or cpu_attention.available():
+                attention.attention_backend = backend
+                times[name] = round(fastest_us([forward], max(repeats // 20, 1)), 1)
+    finally:
+        attention.attention_backend = chosen
+    if "forward_kernel_attention_us" in times:
+        times["forward_kernel_over_torch_attention"] = round(
+            times["forward_kernel_attention_us"] / times["forward_torch_attention_us"], 3
+        )
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["demo-llama", "demo-deepseek"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 8, 40])
+    parser.add_argument("--context", type=int, default=200, help="tokens of context of the attention's forwards")
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -120,11 +158,12 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "kernel": cpu_linear.available(),
         "norm_kernel": cpu_norm.available(),
+        "attention_kernel": cpu_attention.available(),
         "threads": 1,
         "models": {},
     }
     for model in args.models:
-        report["models"][model] = bench_model(model, args.rows, args.repeats)
+        report["models"][model] = bench_model(model, args.rows, args.repeats, args.context)
         print(model, json.dumps(report["models"][model]))
     print(json.dumps(report))
 

@@ -205,14 +205,18 @@ def test_the_paper_plan_counts_the_mtp_layer_split_with_the_target():
     assert whole["mtp_pass_batch1_sent_kb"] == 0 < split["mtp_pass_batch1_sent_kb"]
 
 
-def test_the_cpu_kernels_benchmark_times_each_path_over_a_forwards_layers_and_restores_the_norm_switch():
-    from tandem.kernels import cpu_linear, cpu_norm
+def test_the_cpu_kernels_benchmark_times_each_path_over_a_forwards_layers_and_restores_the_switches():
+    from tandem.kernels import cpu_attention, cpu_linear, cpu_norm
+    from tandem.models import attention
 
     cpu_kernels = _script("cpu_kernels")
-    built = cpu_norm.available()
-    result = cpu_kernels.bench_model("demo-llama", [1], repeats=1)
+    built, backend = cpu_norm.available(), attention.attention_backend
+    result = cpu_kernels.bench_model("demo-llama", [1, 40], repeats=1, context=24)
     row = result["rows_1"]
     assert result["linears"] == 16 * 4 + 1 and result["norms"] == 16 * 2 + 1  # each layer's, and the head's
-    assert row["f_linear_us"] > 0 and row["norm_torch_us"] > 0
+    assert row["f_linear_us"] > 0 and row["norm_torch_us"] > 0 and row["forward_torch_attention_us"] > 0
     assert ("kernel_us" in row and "kernel_hot_us" in row) == cpu_linear.available()
     assert ("norm_kernel_us" in row) == built and cpu_norm.available() == built
+    assert ("forward_kernel_attention_us" in row) == cpu_attention.available()
+    assert "forward_torch_attention_us" not in result["rows_40"]  # a prefill-sized step keeps sdpa either way
+    assert attention.attention_backend == backend

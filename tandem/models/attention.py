@@ -30,8 +30,11 @@ position 0), so a step of one token per row at each row's end needs no mask.
 With :data:`ATTENTION_ENV` at ``auto`` (the default) the gather is skipped on CUDA: :meth:`RaggedLayout.attend`
 runs the Triton paged-attention kernel (:mod:`tandem.kernels.paged_attention`), which reads each row's keys through
 its block table and masks them by the queries' positions (:attr:`RaggedLayout.positions`), in both layouts (graph
-mode's too: the kernel reads only device tensors, so it is captured with the step). The torch path stays the
-reference the kernel is tested against, and the CPU's path.
+mode's too: the kernel reads only device tensors, so it is captured with the step). On the CPU, steps of at most
+:data:`FOLD_MAX_QUERY` queries per row (decode, verify, drafting) run the C kernel of the same contract
+(:mod:`tandem.kernels.cpu_attention`, AVX-512) where it is built, outside ``torch.compile``
+(:meth:`RaggedLayout.reads_pools`). The torch path stays the reference both kernels are tested against, and the
+path of everything else (prefills, compiled CPU steps, CPUs without the kernel).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tandem.core.transfer import Staging
+from tandem.kernels import cpu_attention
 from tandem.models.base import ForwardBatch, KVCache, RowSpans
 
 # cuDNN's attention builds an execution plan for every new shape, tens of milliseconds of host time each, and an
@@ -59,8 +63,9 @@ GRAPH_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *CUDA_SDPA_BACKENDS]
 _cuda_sdpa_backends = CUDA_SDPA_BACKENDS  # GRAPH_SDPA_BACKENDS inside graph_attention()
 
 # Which attention a layout runs, read once at import: "auto" (default), the Triton paged-attention kernel for CUDA
-# tensors where Triton imports, else gather + sdpa; "torch", gather + sdpa everywhere; "triton", the kernel on
-# every device (on the CPU only under TRITON_INTERPRET: the tests). A process-wide switch rather than an
+# tensors where Triton imports, the C kernel for the CPU's small steps (RaggedLayout.reads_pools), else gather +
+# sdpa; "torch", gather + sdpa everywhere; "triton", the Triton kernel on every device (on the CPU only under
+# TRITON_INTERPRET: the tests). A process-wide switch rather than an
 # EngineConfig field: layouts are built by the providers, below the engine, and both paths compute the same thing.
 ATTENTION_ENV = "TANDEM_ATTENTION"
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -313,15 +318,24 @@ class RaggedLayout:
         """``[B, Qmax, ...]`` -> ``[T, ...]``."""
         return grid.flatten(0, 1) if self.grid_index is None else grid[self.grid_index]
 
+    def reads_pools(self, q: Tensor) -> bool:
+        """Whether attention over ``q`` runs a paged-attention kernel (:meth:`attend_paged`), which reads the pools
+        through the block tables, rather than gathering the keys: the Triton kernel where :func:`uses_kernel` says
+        so; with :data:`ATTENTION_ENV` at ``auto``, the CPU's C kernel (:mod:`tandem.kernels.cpu_attention`) for a
+        step of at most :data:`FOLD_MAX_QUERY` queries per row (a prefill keeps sdpa, which spreads over threads)."""
+        if uses_kernel(q):
+            return True
+        return attention_backend == "auto" and self.max_query <= FOLD_MAX_QUERY and cpu_attention.applies(q)
+
     def attend(self, q: Tensor, cache: Tensor, scale: float) -> Tensor:
         """Attention of ``q: [T, nh, d]`` over each row's keys in ``cache: [num_blocks, block_size, 2, nkv, d]``.
 
-        Returns ``[T, nh, d]``. Query heads are grouped over key/value heads (GQA). The paged-attention kernel
-        where :func:`uses_kernel` says so (:meth:`attend_paged`), else gather + sdpa; on the CPU, for a step of
+        Returns ``[T, nh, d]``. Query heads are grouped over key/value heads (GQA). A paged-attention kernel
+        where :meth:`reads_pools` says so (:meth:`attend_paged`), else gather + sdpa; on the CPU, for a step of
         2 to :data:`FOLD_MAX_QUERY` queries per row, sdpa over each group's queries folded into the query axis
         (``[B, nkv, Qmax * g, d]``, as MLA folds its heads) instead of sdpa's GQA.
         """
-        if uses_kernel(q):
+        if self.reads_pools(q):
             return self.attend_paged(q, cache[:, :, 0], cache[:, :, 1], scale)
         kv = self.addressing.gather(cache)  # [B, num_keys, 2, nkv, d]
         k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, nkv, num_keys, d]
@@ -338,14 +352,17 @@ class RaggedLayout:
         return self.from_grid(out.reshape(num_rows, max_query, num_heads, head_dim))
 
     def attend_paged(self, q: Tensor, key_cache: Tensor, value_cache: Tensor, scale: float) -> Tensor:
-        """The paged-attention kernel's attention of ``q: [T, nh, Dk]`` over each row's keys in ``key_cache:
+        """A paged-attention kernel's attention of ``q: [T, nh, Dk]`` over each row's keys in ``key_cache:
         [num_blocks, block_size, nkv, Dk]`` and values in ``value_cache: [num_blocks, block_size, nkv, Dv]``
         (views of one pool: Llama's ``cache[:, :, 0]`` and ``cache[:, :, 1]``, MLA's latents ``cache[:, :, None]``
-        and ``cache[:, :, None, :Dv]``), read through the block table. Returns ``[T, nh, Dv]``."""
-        from tandem.kernels import paged_attention_triton  # imports Triton: only where the kernel runs
-
+        and ``cache[:, :, None, :Dv]``), read through the block table: the Triton kernel where :func:`uses_kernel`
+        says so, else the CPU's C kernel (:meth:`reads_pools`). Returns ``[T, nh, Dv]``."""
+        if uses_kernel(q):
+            from tandem.kernels import paged_attention_triton as kernel  # imports Triton: only where it runs
+        else:
+            kernel = cpu_attention.paged_attention
         a = self.addressing
-        out = paged_attention_triton(
+        out = kernel(
             self.to_grid(q),
             key_cache,
             value_cache,

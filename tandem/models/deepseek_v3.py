@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from tandem.core.transfer import int64_tensor
-from tandem.models.attention import RaggedLayout, sdpa, uses_kernel
+from tandem.models.attention import RaggedLayout, sdpa
 from tandem.models.base import (
     BlockTable,
     ForwardBatch,
@@ -105,11 +105,11 @@ def attend_latent(layout: RaggedLayout, query: Tensor, latent_cache: Tensor, val
     Returns:
         ``[T, nh, value_dim]`` in the query's dtype.
 
-    The paged-attention kernel reads the latents through the block table where
-    :func:`~tandem.models.attention.uses_kernel` says so (one key/value head, the values the keys' first
-    ``value_dim`` entries); else the latents are gathered into a contiguous copy.
+    A paged-attention kernel reads the latents through the block table where
+    :meth:`~tandem.models.attention.RaggedLayout.reads_pools` says so (one key/value head, the values the keys'
+    first ``value_dim`` entries); else the latents are gathered into a contiguous copy.
     """
-    if uses_kernel(query):
+    if layout.reads_pools(query):
         return layout.attend_paged(query, latent_cache[:, :, None], latent_cache[:, :, None, :value_dim], scale)
     num_rows, max_query = layout.num_rows, layout.max_query
     num_heads, dim = query.shape[1:]

@@ -240,7 +240,7 @@ def test_an_unknown_backend_is_refused_by_name(monkeypatch):
         attention.uses_kernel(torch.zeros(1))
 
 
-def test_auto_keeps_cpu_tensors_on_the_torch_path(monkeypatch):
+def test_auto_keeps_cpu_tensors_off_the_triton_kernel(monkeypatch):
     monkeypatch.setattr(attention, "attention_backend", "auto")
     assert not attention.uses_kernel(torch.zeros(1))
 

@@ -75,7 +75,9 @@ def test_narrowed_target_and_draft_compute_the_wide_results(model, draft_kind, k
         results.append((out.logits, hidden, proposal.tokens))
     (logits, hidden, tokens), (wide_logits, wide_hidden, wide_tokens) = results
     torch.testing.assert_close(logits, wide_logits, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(hidden, wide_hidden, rtol=1e-4, atol=1e-4)
+    # Summation order's rounding scales with the largest activations (the aux layers' reach a few hundred): an
+    # element near zero in such a row is off by as much as its neighbours, not by a share of itself.
+    torch.testing.assert_close(hidden, wide_hidden, rtol=1e-4, atol=1e-6 * wide_hidden.abs().max().item())
     assert torch.equal(tokens, wide_tokens)
 
 

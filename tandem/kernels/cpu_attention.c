@@ -1,0 +1,270 @@
+/* Paged attention of float32 queries on x86-64 CPUs with AVX-512: each row's keys and values read through its
+   block table, as tandem/kernels/paged_attention.py's Triton kernels read them on a GPU (the same contract).
+
+   For row b, query i and query head h (key/value head h / (nh / nkv): GQA; MLA's one latent head for every
+   query head):
+
+       out[b, i, h] = softmax_j(scale * q[b, i, h] . K_j) @ V_j   over key_start <= j < key_end, j <= pos[b, i]
+
+   position j's entry being entry (j - key_offset) % block_size of block tables[b, (j - key_offset) / block_size]
+   of the pools (any strides between blocks, entries and heads; a pool's last axis contiguous).
+
+   A decode or verify step of a small model attends over a few hundred keys per row, where the torch path's
+   gather, transposes and sdpa call cost more in dispatch than in arithmetic. Here a row's entries are found once
+   by walking its blocks; a score is a query's and a key's products summed in 16 lanes, 16 keys' lanes then
+   added across in one tree; the scores are exponentiated against their maximum, and each output vector of 16
+   values sums the keys' values with those weights, in key order, in one register, then divides by the weights'
+   sum: float32 throughout. The order of every sum is fixed by the sizes alone, so a query's result depends on
+   nothing but its own keys: neither the other rows nor the number of queries in its row change it. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define HAVE_KERNEL 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
+#include <immintrin.h>
+
+#define KEYS 16      /* keys per vector of scores */
+#define MAX_PAIRS 16 /* (query, head) pairs scored per pass over a head's keys: the scores' scratch */
+#define VALUE_VECTORS 4 /* output vectors of 16 values a pass over the keys sums at once: independent chains */
+
+typedef struct {
+    const float *base;
+    int64_t block, entry, head; /* strides, in floats */
+} Pool;
+
+typedef struct {
+    const float *q;
+    int64_t q_row, q_query, q_head;
+    Pool keys, values;
+    const int64_t *tables, *positions;
+    int64_t table_row, position_row;
+    float *out;
+    int rows, queries, heads, kv_heads, key_dim, value_dim, block_size;
+    int64_t key_start, key_end, key_offset;
+    float scale;
+} Attention;
+
+/* offsets[j]: where position key_start + j's entry of head 0 lies in `pool`, in floats from its base, for j < count
+   (padded to a whole vector with the last one), walking the row's blocks: no division per key. */
+static void row_offsets(const Pool *pool, const int64_t *table, const Attention *a, int64_t count, int64_t *offsets) {
+    int64_t rel = a->key_start - a->key_offset, block = rel / a->block_size, entry = rel % a->block_size;
+    for (int64_t j = 0; j < count; j++) {
+        offsets[j] = table[block] * pool->block + entry * pool->entry;
+        if (++entry == a->block_size) entry = 0, block++;
+    }
+    for (int64_t j = count; j % KEYS; j++) offsets[j] = offsets[count - 1];
+}
+
+/* e^x for x <= 0, within 2 ulps: x = n ln 2 + r, |r| <= ln 2 / 2, e^r by Cephes' expf polynomial, 2^n built in
+   the exponent bits; 0 below -87 (under float32's smallest normal). */
+static inline __m512 exp_nonpositive(__m512 x) {
+    __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_maskz_mov_ps(keep, x);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(p, _mm512_castsi512_ps(two_n)));
+}
+
+/* r[k] = the sum of v[k]'s 16 lanes, for 16 vectors: pairs of lanes added in a fixed tree (45 instructions where
+   16 separate reductions take about 130). */
+static inline __m512 sum_lanes16(const __m512 *v) {
+    __m512 t[8], u[4], x[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The scores of `pairs` (query, head) pairs of row b over its first `seen` keys of head kv (queries[p], heads[p]:
+   the pair's query and head; the row's key offsets in `keys`): scores[p * padded + j], unscaled. Each is its
+   products summed in 16 lanes (entries d, d + 16, ... in order in lane d % 16), then across the lanes. */
+static void score_pairs(const Attention *a, int b, int kv, const int *queries, const int *heads, int pairs,
+                        const int64_t *keys, int64_t seen, int64_t padded, float *scores) {
+    const float *base = a->keys.base + kv * a->keys.head;
+    int vectors = (a->key_dim + 15) / 16, last = a->key_dim - 16 * (vectors - 1);
+    __mmask16 tail = (__mmask16)(last == 16 ? 0xFFFF : (1u << last) - 1);
+    for (int p = 0; p < pairs; p++) {
+        const float *q = a->q + b * a->q_row + queries[p] * a->q_query + heads[p] * a->q_head;
+        for (int64_t j0 = 0; j0 < seen; j0 += KEYS) {
+            __m512 acc[KEYS];
+            for (int k = 0; k < KEYS; k++) {
+                const float *key = base + keys[j0 + k];
+                acc[k] = _mm512_setzero_ps();
+                for (int v = 0; v < vectors; v++) {
+                    __mmask16 m = v == vectors - 1 ? tail : 0xFFFF;
+                    acc[k] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + 16 * v), _mm512_maskz_loadu_ps(m, key + 16 * v),
+                                             acc[k]);
+                }
+            }
+            _mm512_storeu_ps(scores + p * padded + j0, sum_lanes16(acc));
+        }
+    }
+}
+
+/* One pair's output over its first num_keys keys (of the `scores` row at hand, turned into weights here; the
+   row's value offsets of head kv in `values`): out [value_dim]. */
+static void weigh_values(const Attention *a, int kv, const int64_t *values, int64_t num_keys, float *scores,
+                         float *out) {
+    __m512 scale = _mm512_set1_ps(a->scale), top = _mm512_set1_ps(-INFINITY);
+    int64_t whole = num_keys / KEYS * KEYS;
+    __mmask16 tail = (__mmask16)((1u << (num_keys - whole)) - 1);
+    for (int64_t j = 0; j < num_keys; j += KEYS) {
+        __mmask16 m = j < whole ? 0xFFFF : tail;
+        top = _mm512_mask_max_ps(top, m, top, _mm512_mul_ps(scale, _mm512_loadu_ps(scores + j)));
+    }
+    __m512 top_all = _mm512_set1_ps(_mm512_reduce_max_ps(top)), sums = _mm512_setzero_ps();
+    for (int64_t j = 0; j < num_keys; j += KEYS) {
+        __mmask16 m = j < whole ? 0xFFFF : tail;
+        __m512 w = exp_nonpositive(_mm512_fmsub_ps(scale, _mm512_loadu_ps(scores + j), top_all));
+        w = _mm512_maskz_mov_ps(m, w);
+        _mm512_storeu_ps(scores + j, w);
+        sums = _mm512_add_ps(sums, w);
+    }
+    float inverse = 1.0f / _mm512_reduce_add_ps(sums);
+    const float *base = a->values.base + kv * a->values.head;
+    for (int d0 = 0; d0 < a->value_dim; d0 += 16 * VALUE_VECTORS) { /* independent chains: one per vector */
+        int vectors = (a->value_dim - d0 + 15) / 16;
+        __mmask16 m[VALUE_VECTORS];
+        __m512 acc[VALUE_VECTORS];
+        for (int v = 0; v < VALUE_VECTORS; v++) {
+            int left = a->value_dim - d0 - 16 * v;
+            m[v] = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+            acc[v] = _mm512_setzero_ps();
+        }
+        for (int64_t j = 0; j < num_keys; j++) {
+            __m512 w = _mm512_set1_ps(scores[j]);
+            const float *value = base + values[j] + d0;
+            for (int v = 0; v < VALUE_VECTORS; v++)
+                if (v < vectors) acc[v] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m[v], value + 16 * v), acc[v]);
+        }
+        for (int v = 0; v < VALUE_VECTORS; v++)
+            _mm512_mask_storeu_ps(out + d0 + 16 * v, m[v], _mm512_mul_ps(acc[v], _mm512_set1_ps(inverse)));
+    }
+}
+
+/* 0, or -1 when the scratch could not be allocated. */
+static int attend(const Attention *a) {
+    int group = a->heads / a->kv_heads;
+    int64_t window = a->key_end - a->key_start, padded = (window + KEYS - 1) / KEYS * KEYS;
+    size_t head_out = (size_t)a->value_dim;
+    if (window <= 0) {
+        memset(a->out, 0, sizeof(float) * (size_t)a->rows * a->queries * a->heads * head_out);
+        return 0;
+    }
+    /* scratch: the row's key and value offsets, and the scores of a tile of pairs */
+    int64_t *keys = malloc(sizeof(int64_t) * 2 * padded + sizeof(float) * MAX_PAIRS * padded);
+    if (keys == NULL) return -1;
+    int64_t *values = keys + padded;
+    float *scores = (float *)(values + padded);
+    for (int b = 0; b < a->rows; b++) {
+        const int64_t *table = a->tables + b * a->table_row, *positions = a->positions + b * a->position_row;
+        int64_t seen = 0; /* the most keys a query of the row sees */
+        for (int i = 0; i < a->queries; i++) {
+            int64_t last = positions[i] + 1 < a->key_end ? positions[i] + 1 : a->key_end;
+            seen = last - a->key_start > seen ? last - a->key_start : seen;
+        }
+        if (seen > 0) {
+            row_offsets(&a->keys, table, a, seen, keys);
+            row_offsets(&a->values, table, a, seen, values);
+        }
+        int queries[MAX_PAIRS], heads[MAX_PAIRS];
+        for (int kv = 0; kv < a->kv_heads; kv++)
+            for (int first = 0; first < a->queries * group; first += MAX_PAIRS) { /* pairs query-major */
+                int pairs = a->queries * group - first < MAX_PAIRS ? a->queries * group - first : MAX_PAIRS;
+                for (int p = 0; p < pairs; p++)
+                    queries[p] = (first + p) / group, heads[p] = kv * group + (first + p) % group;
+                if (seen > 0) score_pairs(a, b, kv, queries, heads, pairs, keys, seen, padded, scores);
+                for (int p = 0; p < pairs; p++) {
+                    int64_t last = positions[queries[p]] + 1 < a->key_end ? positions[queries[p]] + 1 : a->key_end;
+                    int64_t num_keys = last - a->key_start;
+                    float *out = a->out + (((int64_t)b * a->queries + queries[p]) * a->heads + heads[p]) * head_out;
+                    if (num_keys > 0)
+                        weigh_values(a, kv, values, num_keys, scores + p * padded, out);
+                    else /* sees no key: zeros (a padding query's output is dropped anyway) */
+                        memset(out, 0, sizeof(float) * head_out);
+                }
+            }
+    }
+    free(keys);
+    return 0;
+}
+#pragma GCC pop_options
+#endif
+
+static PyObject *available(PyObject *self, PyObject *unused) {
+#ifdef HAVE_KERNEL
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma"))
+        Py_RETURN_TRUE;
+#endif
+    Py_RETURN_FALSE;
+}
+
+/* paged_attention(q, k, v, tables, positions, out, 3 + 3 + 3 strides of q and the pools, the tables' and positions'
+   row strides, rows, queries, heads, kv_heads, key_dim, value_dim, block_size, key_start, key_end, key_offset,
+   scale): tandem/kernels/cpu_attention.py checks the shapes; here the sizes the loops rely on. */
+static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 28) {
+        PyErr_Format(PyExc_TypeError, "paged_attention takes 28 arguments, got %zd", nargs);
+        return NULL;
+    }
+    void *ptr[6];
+    long long n[21];
+    for (int i = 0; i < 6; i++) ptr[i] = PyLong_AsVoidPtr(args[i]);
+    for (int i = 0; i < 21; i++) n[i] = PyLong_AsLongLong(args[6 + i]);
+    double scale = PyFloat_AsDouble(args[27]);
+    if (PyErr_Occurred()) return NULL;
+#ifdef HAVE_KERNEL
+    Attention a = {
+        .q = ptr[0], .keys = {ptr[1], n[3], n[4], n[5]}, .values = {ptr[2], n[6], n[7], n[8]},
+        .tables = ptr[3], .positions = ptr[4], .out = ptr[5],
+        .q_row = n[0], .q_query = n[1], .q_head = n[2], .table_row = n[9], .position_row = n[10],
+        .rows = (int)n[11], .queries = (int)n[12], .heads = (int)n[13], .kv_heads = (int)n[14],
+        .key_dim = (int)n[15], .value_dim = (int)n[16], .block_size = (int)n[17],
+        .key_start = n[18], .key_end = n[19], .key_offset = n[20], .scale = (float)scale,
+    };
+    if (a.rows < 0 || a.queries < 0 || a.kv_heads < 1 || a.heads < a.kv_heads || a.heads % a.kv_heads ||
+        a.key_dim < 1 || a.value_dim < 1 || a.block_size < 1 || a.key_start < a.key_offset) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention: sizes out of range");
+        return NULL;
+    }
+    if (attend(&a) != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+#else
+    PyErr_SetString(PyExc_RuntimeError, "paged_attention: this build has no kernel (not x86-64 with GCC or Clang)");
+    return NULL;
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"available", available, METH_NOARGS, "True when this CPU runs the kernel (x86-64 with AVX-512 F and FMA)."},
+    {"paged_attention", (PyCFunction)(void (*)(void))py_paged_attention, METH_FASTCALL,
+     "paged_attention(q, k, v, tables, positions, out, 21 strides and sizes, scale): out = attention, in place."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_attention", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__cpu_attention(void) { return PyModule_Create(&module); }
