@@ -15,7 +15,7 @@
    last-level cache or from memory (a model's layers together outgrow the core's own caches), so
    a block reads as wide a piece of each weight row as its registers hold, and prefetches the rows
    PREFETCH_ROWS ahead itself. Blocks of one row (decode, drafting) are ROW_VECTORS wide; blocks
-   of several rows share the registers between their rows' accumulators.
+   of several rows share the registers between their rows' accumulators (rows_block).
 
    Every out[m, n] is one fused multiply-add chain over k in order, whatever M is and however
    the rows and columns are blocked: a row's result does not depend on the batch it is in. */
@@ -30,8 +30,8 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma")
 #include <immintrin.h>
 
-#define MAX_BLOCK_ROWS 6 /* a block of several rows: MAX_BLOCK_ROWS * VECTORS accumulators of the 32 registers */
-#define VECTORS 4        /* a block of several rows' width, in vectors of 16 outputs */
+#define MAX_BLOCK_ROWS 6 /* rows per block at most: MAX_BLOCK_ROWS * VECTORS accumulators of the 32 registers */
+#define VECTORS 4        /* a block's width from four rows, in vectors of 16 outputs (fewer rows: rows_block) */
 #define ROW_VECTORS 16   /* a block of one row's width */
 #define PREFETCH_ROWS 32 /* how far ahead of its weight row a block prefetches */
 
@@ -97,18 +97,25 @@ static inline __attribute__((always_inline)) void row_block(const float *x, int 
     }
 }
 
+/* Rows m0 .. m0 + rows - 1 as one block, as wide as their accumulators leave registers for: 16 vectors for one
+   row, 8 for two, 5 for three, 4 from four to MAX_BLOCK_ROWS. */
+static void rows_block(const float *x, int rows, int k_size, const uint16_t *wt, int64_t ldw, int n_size,
+                       const float *bias, float *out) {
+    switch (rows) {
+    case 1: row_block(x, 1, 1, k_size, wt, ldw, n_size, ROW_VECTORS, bias, out); break;
+    case 2: row_block(x, 2, 2, k_size, wt, ldw, n_size, ROW_VECTORS / 2, bias, out); break;
+    case 3: row_block(x, 3, 3, k_size, wt, ldw, n_size, 5, bias, out); break;
+    default: row_block(x, rows, MAX_BLOCK_ROWS, k_size, wt, ldw, n_size, VECTORS, bias, out);
+    }
+}
+
 static void linear(const float *x, const uint16_t *wt, const float *bias, float *out, int m_size, int k_size,
                    int n_size, int64_t ldw) {
-    if (m_size == 1) {
-        row_block(x, 1, 1, k_size, wt, ldw, n_size, ROW_VECTORS, bias, out);
-        return;
-    }
     int blocks = (m_size + MAX_BLOCK_ROWS - 1) / MAX_BLOCK_ROWS;
     int block_rows = (m_size + blocks - 1) / blocks; /* 8 rows: two blocks of 4, not 6 + 2 */
     for (int m0 = 0; m0 < m_size; m0 += block_rows) {
         int rows = m_size - m0 < block_rows ? m_size - m0 : block_rows;
-        row_block(x + (int64_t)m0 * k_size, rows, MAX_BLOCK_ROWS, k_size, wt, ldw, n_size, VECTORS, bias,
-                  out + (int64_t)m0 * n_size);
+        rows_block(x + (int64_t)m0 * k_size, rows, k_size, wt, ldw, n_size, bias, out + (int64_t)m0 * n_size);
     }
 }
 #pragma GCC pop_options
