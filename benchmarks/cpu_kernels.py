@@ -95,19 +95,27 @@ def bench_model(model: str, rows: list[int], repeats: int, context: int = 200) -
     return results
 
 
+def switched_times(module, switch: str, settings: list[tuple[str, object]], calls: list, repeats: int) -> dict:
+    """``{name: microseconds}`` of ``calls`` with ``module.<switch>`` at each setting's value in turn (the switch
+    the layers read at every call), restored afterwards."""
+    chosen, times = getattr(module, switch), {}
+    try:
+        for name, value in settings:
+            setattr(module, switch, value)
+            times[name] = round(fastest_us(calls, repeats), 1)
+    finally:
+        setattr(module, switch, chosen)
+    return times
+
+
 def norm_times(norms: list[RMSNorm], rows: int, repeats: int) -> dict:
     """Every norm of a forward on ``rows`` rows through torch's ops, and through the C kernel where it is built
     (switched as the layers read it: ``cpu_norm._AVAILABLE``)."""
     inputs = {n.weight.shape[0]: torch.randn(rows, n.weight.shape[0]) for n in norms}
     calls = [lambda n=n: n(inputs[n.weight.shape[0]]) for n in norms]
     built = cpu_norm.available()
-    times = {}
-    try:
-        for name, on in (("norm_torch_us", False), ("norm_kernel_us", True))[: 2 if built else 1]:
-            cpu_norm._AVAILABLE = on
-            times[name] = round(fastest_us(calls, repeats), 1)
-    finally:
-        cpu_norm._AVAILABLE = built
+    settings = [("norm_torch_us", False), *([("norm_kernel_us", True)] if built else [])]
+    times = switched_times(cpu_norm, "_AVAILABLE", settings, calls, repeats)
     if built:
         times["norm_kernel_over_torch"] = round(times["norm_kernel_us"] / times["norm_torch_us"], 3)
     return times
@@ -130,15 +138,10 @@ def attention_times(target, rows: int, context: int, repeats: int) -> dict:
         cache.truncate([0], [context])
         target.forward(step, cache)
 
-    chosen, times = attention.attention_backend, {}
-    try:
-        for name, backend in (("forward_torch_attention_us", "torch"), ("forward_kernel_attention_us", "auto")):
-            if backend == "torch" or cpu_attention.available():
-                attention.attention_backend = backend
-                times[name] = round(fastest_us([forward], max(repeats // 20, 1)), 1)
-    finally:
-        attention.attention_backend = chosen
-    if "forward_kernel_attention_us" in times:
+    built = cpu_attention.available()
+    settings = [("forward_torch_attention_us", "torch"), *([("forward_kernel_attention_us", "auto")] if built else [])]
+    times = switched_times(attention, "attention_backend", settings, [forward], max(repeats // 20, 1))
+    if built:
         times["forward_kernel_over_torch_attention"] = round(
             times["forward_kernel_attention_us"] / times["forward_torch_attention_us"], 3
         )

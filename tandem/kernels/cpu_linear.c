@@ -81,9 +81,9 @@ static inline __attribute__((always_inline)) void block(const float *x, int rows
 }
 
 /* Rows m0 .. m0 + rows - 1 (rows <= max_rows) over every column, in blocks of max_vectors vectors. */
-static inline __attribute__((always_inline)) void row_block(const float *x, int rows, int max_rows, int k_size,
-                                                            const uint16_t *wt, int64_t ldw, int n_size,
-                                                            int max_vectors, const float *bias, float *out) {
+static inline __attribute__((always_inline)) void column_blocks(const float *x, int rows, int max_rows, int k_size,
+                                                                const uint16_t *wt, int64_t ldw, int n_size,
+                                                                int max_vectors, const float *bias, float *out) {
     for (int n0 = 0; n0 < n_size; n0 += 16 * max_vectors) {
         const float *b = bias ? bias + n0 : NULL;
         int left = n_size - n0;
@@ -102,10 +102,10 @@ static inline __attribute__((always_inline)) void row_block(const float *x, int 
 static void rows_block(const float *x, int rows, int k_size, const uint16_t *wt, int64_t ldw, int n_size,
                        const float *bias, float *out) {
     switch (rows) {
-    case 1: row_block(x, 1, 1, k_size, wt, ldw, n_size, ROW_VECTORS, bias, out); break;
-    case 2: row_block(x, 2, 2, k_size, wt, ldw, n_size, ROW_VECTORS / 2, bias, out); break;
-    case 3: row_block(x, 3, 3, k_size, wt, ldw, n_size, 5, bias, out); break;
-    default: row_block(x, rows, MAX_BLOCK_ROWS, k_size, wt, ldw, n_size, VECTORS, bias, out);
+    case 1: column_blocks(x, 1, 1, k_size, wt, ldw, n_size, ROW_VECTORS, bias, out); break;
+    case 2: column_blocks(x, 2, 2, k_size, wt, ldw, n_size, ROW_VECTORS / 2, bias, out); break;
+    case 3: column_blocks(x, 3, 3, k_size, wt, ldw, n_size, 5, bias, out); break;
+    default: column_blocks(x, rows, MAX_BLOCK_ROWS, k_size, wt, ldw, n_size, VECTORS, bias, out);
     }
 }
 
