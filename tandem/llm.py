@@ -48,7 +48,8 @@ class LLM:
         rows' steps (None: whole prompts in one step).
     async_scheduling: launch each plain decode step before reading the last one's tokens, so the host's work
         runs while the device computes (:mod:`tandem.engine.in_flight`; vLLM's ``--async-scheduling``); for a
-        model without a draft on one device. Outputs are the synchronous engine's.
+        model without a draft on one device. Outputs are the synchronous engine's. None: on for such a model on
+        CUDA in graph mode, off elsewhere.
     adaptive: choose each greedy row's drafts per step (0..num_speculative_tokens) from its acceptance and the
         measured cost of a verify (:mod:`tandem.engine.adaptive`); False: always num_speculative_tokens.
     tensor_parallel_size, data_parallel_size, enable_expert_parallel: the target over several processes
@@ -82,7 +83,7 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int | None = 2048,
-        async_scheduling: bool = False,
+        async_scheduling: bool | None = None,
         adaptive: bool = True,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,

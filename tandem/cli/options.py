@@ -43,8 +43,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_graph_mode_argument(parser)
     parser.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="launch each plain decode step before reading the last one's tokens (a model without draft: --draft none)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each plain decode step before reading the last one's tokens (a model without draft: --draft "
+        "none; default: on for one in graph mode on CUDA)",
     )
     add_parallel_arguments(parser)
 

@@ -67,6 +67,8 @@ sampled (`tests/engine/test_step_copies.py` counts them).
 Async scheduling (`EngineConfig.async_scheduling`, `in_flight`): a plain decode step's forward is launched before
 the previous step's tokens are read, fed them on the device; its read then waits for that previous step only, its
 commit runs while the device computes, and the step samples after it (a grammar row's mask follows that commit).
+By default it is on where it was measured to pay: a plain engine on one CUDA device in graph mode
+(`in_flight.resolve_async_scheduling`).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ from tandem.engine import sampling
 from tandem.engine.adaptive import AdaptivePolicy, CostModel, draft_passes
 from tandem.engine.batching import VerifyInputs, defer_draft, draft_batch, forced_draft_probs, verify_inputs
 from tandem.engine.graphs import GraphRunner, resolve_capture_sizes, resolve_graph_mode
-from tandem.engine.in_flight import InFlight
+from tandem.engine.in_flight import InFlight, resolve_async_scheduling
 from tandem.engine.kv_blocks import BlockPool, KVStats
 from tandem.engine.mask_pipeline import MaskPipeline
 from tandem.engine.masks import StepMasks
@@ -128,7 +130,7 @@ class EngineConfig:
     capture_at_start: bool | None = None  # build every graph at start (None: on CUDA; CPU compiles build on first use)
     eos_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS: generation_config.json's (engine/stop.py)
     max_num_batched_tokens: int | None = 2048  # tokens one step feeds; longer prefills go in chunks (None: whole)
-    async_scheduling: bool = False  # launch a plain decode step before reading the last one's tokens (in_flight.py)
+    async_scheduling: bool | None = None  # launch plain decode steps ahead of their reads (None: where it pays)
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens"):
@@ -156,11 +158,11 @@ class Engine:
         self.target, self.draft, self.tokenizer, self.config = target, draft, tokenizer, config
         self.workers = workers  # the other ranks of a parallel target (engine/workers.py), None on one device
         check_speculation(draft is not None, config.num_speculative_tokens)
-        if config.async_scheduling and (draft is not None or workers is not None):
-            raise ValueError(
-                "async_scheduling overlaps plain decode steps of one device: it needs an engine without a draft "
-                f"and without parallel ranks (draft: {type(draft).__name__}, ranks: {workers is not None})"
-            )
+        self.device = next(iter(target.parameters())).device if hasattr(target, "parameters") else torch.device("cpu")
+        self.graph_mode = resolve_graph_mode(config.graph_mode, self.device)
+        self.async_scheduling = resolve_async_scheduling(
+            config.async_scheduling, self.device, self.graph_mode, draft=draft, parallel=workers is not None
+        )
         self.k = config.num_speculative_tokens if draft is not None else 0
         self.forced_drafts = config.forced_drafts and draft is not None
         self.max_drafts = self.k + (config.max_forced_drafts if self.forced_drafts else 0)  # the widest verify - 1
@@ -176,7 +178,6 @@ class Engine:
         self.masker = SpeculativeMasker(
             target.vocab_size, len(tokenizer), end_token_ids=sorted(self._eos), closer=closer
         )
-        self.device = next(iter(target.parameters())).device if hasattr(target, "parameters") else torch.device("cpu")
         self.mask_pipeline = MaskPipeline(self.masker, config.max_num_seqs, self.max_drafts, self.device)
         self.step_masks = StepMasks(
             self.masker,
@@ -188,10 +189,9 @@ class Engine:
             thinking_markers=self._markers is not None,
             device=self.device,
         )
-        # Graph mode pads batches with rows that read and write a scratch slot past the rows' (engine/graphs.py).
-        self.graph_mode = resolve_graph_mode(config.graph_mode, self.device)
         data_parallel_attention = workers is not None and workers.shard.data_parallel_attention
         capture_sizes = resolve_capture_sizes(config.capture_sizes, config.max_num_seqs)
+        # Graph mode pads batches with rows that read and write a scratch slot past the rows' (engine/graphs.py).
         num_slots = config.max_num_seqs + (GraphRunner.SCRATCH_SLOTS if self.graph_mode == "compiled" else 0)
         # One-position caches of each model say what a position takes and whether the draft keeps a cache.
         probes = [target.new_cache(1, 1), None if draft is None else draft.new_cache(1, 1)]
@@ -564,7 +564,7 @@ class Engine:
     def _overlaps(self, rows: list[Request], k: int, ends: list[int | None]) -> bool:
         """Whether this step launches without reading back: async scheduling's plain decode step, every row
         decoding one token (a grammar's mask and a row's penalties follow the commit: `_overlapped_step`)."""
-        if not self.config.async_scheduling or k > 0 or any(end is not None for end in ends):
+        if not self.async_scheduling or k > 0 or any(end is not None for end in ends):
             return False
         if self._in_flight is not None:  # `_continues` held: the same rows, nothing admitted or preempted
             assert rows == self._in_flight.rows, "async scheduling: the rows changed under an in-flight step"

@@ -25,6 +25,25 @@ from tandem.decoding.logprobs import TokenLogprob, assemble
 from tandem.engine.request import Request
 
 
+def resolve_async_scheduling(
+    setting: bool | None, device: torch.device, graph_mode: str, *, draft, parallel: bool
+) -> bool:
+    """Whether an engine launches its plain decode steps ahead of their reads (``EngineConfig.async_scheduling``).
+
+    None ("auto") turns it on where it was measured to pay: a plain engine on one CUDA device in graph mode (README,
+    "Graph mode"), where the replay is short and the host's commit would otherwise leave the device idle. Eager CUDA
+    steps are bound by the host either way, and a CPU step's forward runs on the host itself. True with a draft
+    (whose proposal reads the committed tokens) or with parallel ranks raises ``ValueError``."""
+    if setting is None:
+        return device.type == "cuda" and graph_mode == "compiled" and draft is None and not parallel
+    if setting and (draft is not None or parallel):
+        raise ValueError(
+            "async_scheduling overlaps plain decode steps of one device: it needs an engine without a draft "
+            f"and without parallel ranks (draft: {type(draft).__name__}, ranks: {parallel})"
+        )
+    return setting
+
+
 @dataclass
 class InFlight:
     """A launched plain step whose tokens are not read yet.

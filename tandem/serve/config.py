@@ -22,9 +22,10 @@ class ServeConfig:
     """How `build_app` loads the model and how the app serves it.
 
     Engine (passed to `tandem.LLM`): revision (of a hub model name), num_speculative_tokens, adaptive,
-    max_num_seqs, graph_mode, async_scheduling, and the paged KV cache's kv_cache_memory (bytes; None: what max_num_seqs
-    rows of the whole context need), block_size and enable_prefix_caching, and max_num_batched_tokens (the
-    tokens one step verifies and prefills at most: longer prompts prefill in chunks), the parallel layout
+    max_num_seqs, graph_mode, async_scheduling (None: `tandem.LLM`'s default), and the paged KV cache's
+    kv_cache_memory (bytes; None: what max_num_seqs rows of the whole context need), block_size and
+    enable_prefix_caching, and max_num_batched_tokens (the tokens one step verifies and prefills at most:
+    longer prompts prefill in chunks), the parallel layout
     (tensor_parallel_size, data_parallel_size, enable_expert_parallel); with the suffix draft,
     finished requests go into a store of `suffix_store_tokens` tokens (0: none).
 
@@ -47,7 +48,7 @@ class ServeConfig:
     adaptive: bool = True
     max_num_seqs: int = 8
     graph_mode: str = "auto"
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     kv_cache_memory: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True

@@ -53,7 +53,8 @@ def test_an_unknown_graph_mode_is_refused(capsys):
         (["generate"], "adaptive", True),
         (["serve", "--draft", "none", "--no-adaptive"], "adaptive", False),
         (["generate", "--draft", "none", "--async-scheduling"], "async_scheduling", True),
-        (["generate"], "async_scheduling", False),
+        (["generate"], "async_scheduling", None),
+        (["generate", "--no-async-scheduling"], "async_scheduling", False),
         (["serve", "--draft", "none", "--async-scheduling"], "async_scheduling", True),
     ],
 )

@@ -11,10 +11,12 @@ import math
 
 import jsonschema
 import pytest
+import torch
 
 from tandem.decoding.params import SamplingParams
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
 from tandem.engine.engine import Engine, EngineConfig
+from tandem.engine.in_flight import resolve_async_scheduling
 from tandem.llm import chat_prompt_ids
 from tests.engine.test_paged_kv import _assert_pool_whole
 
@@ -189,3 +191,27 @@ def test_a_shared_prefix_reuses_the_blocks_it_registered(models):
 def test_async_scheduling_with_a_draft_is_refused(models):
     with pytest.raises(ValueError, match="async_scheduling overlaps plain decode steps"):
         _engine(models, draft="eagle3", async_scheduling=True)
+
+
+@pytest.mark.parametrize(
+    "device, graph_mode, draft, parallel, expected",
+    [
+        ("cuda", "compiled", None, False, True),
+        ("cuda", "eager", None, False, False),  # eager CUDA steps are bound by the host either way
+        ("cpu", "compiled", None, False, False),  # a CPU forward runs on the host itself
+        ("cuda", "compiled", object(), False, False),  # a draft's proposal reads the committed tokens
+        ("cuda", "compiled", None, True, False),
+    ],
+)
+def test_auto_async_scheduling_is_on_for_plain_cuda_graphs_only(device, graph_mode, draft, parallel, expected):
+    """None ("auto") turns async scheduling on where it was measured to pay; an explicit choice stands (or is
+    refused, as above)."""
+    assert resolve_async_scheduling(None, torch.device(device), graph_mode, draft=draft, parallel=parallel) is expected
+    assert resolve_async_scheduling(False, torch.device(device), graph_mode, draft=None, parallel=False) is False
+    with pytest.raises(ValueError, match="parallel ranks"):
+        resolve_async_scheduling(True, torch.device("cuda"), "compiled", draft=None, parallel=True)
+
+
+def test_auto_async_scheduling_leaves_a_cpu_engine_synchronous(models):
+    engine = _engine(models)
+    assert engine.config.async_scheduling is None and not engine.async_scheduling
