@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tandem.models import DraftInput, ForwardBatch, load_draft
 from tandem.models.drafts.ngram import NgramDraft, lookup
@@ -23,6 +25,33 @@ def test_a_match_near_the_end_pads_with_minus_one_and_no_match_gives_all_minus_o
     assert lookup(t([5, 6, 7, 5, 6]), 4, 1, 3).tolist() == [7, 5, 6, -1]
     assert lookup(t([1, 2, 3, 4]), 3, 1, 3).tolist() == [-1, -1, -1]
     assert lookup(t([1, 2, 1, 3, 4, 2]), 2, 2, 3).tolist() == [-1, -1]  # only 1-gram matches, min is 2
+
+
+def _reference_lookup(history: list[int], num_tokens: int, min_ngram: int, max_ngram: int) -> list[int]:
+    """The rule read literally: the longest suffix (max_ngram down to min_ngram) seen earlier, its most recent
+    occurrence's next num_tokens ids, -1 padded."""
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+        starts = [i for i in range(len(history) - n) if history[i : i + n] == history[-n:]]
+        if starts:
+            follow = history[starts[-1] + n : starts[-1] + n + num_tokens]
+            return follow + [-1] * (num_tokens - len(follow))
+    return [-1] * num_tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from([0, 1, 2, 256, 257, 65536, 2**31 + 1]), min_size=1, max_size=40),
+    st.integers(1, 5),
+    st.integers(1, 3),
+    st.integers(0, 3),
+)
+def test_lookup_follows_the_rule_whatever_the_ids_bytes(history, num_tokens, min_ngram, extra):
+    """The byte search counts only hits on an id's boundary: ids whose bytes repeat inside others (0, 1, 256,
+    65536, ...) would match across two ids otherwise."""
+    max_ngram = min_ngram + extra
+    assert lookup(t(history), num_tokens, min_ngram, max_ngram).tolist() == _reference_lookup(
+        history, num_tokens, min_ngram, max_ngram
+    )
 
 
 def test_propose_handles_each_row_independently(llama_dir):

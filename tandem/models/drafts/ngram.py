@@ -20,14 +20,20 @@ from tandem.models.config import NgramConfig
 
 
 def lookup(history: Tensor, num_tokens: int, min_ngram: int, max_ngram: int) -> Tensor:
-    """Prompt lookup over one row: ``history: [L] int64`` -> ``[num_tokens] int64`` (-1 padded)."""
+    """Prompt lookup over one row: ``history: [L] int64`` -> ``[num_tokens] int64`` (-1 padded).
+
+    A byte search over the ids' buffer (one C call per n-gram size, where comparing every window as a tensor took
+    a dozen small ops per size); a hit counts only where it falls on an id's boundary."""
     out = torch.full((num_tokens,), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
     history = history.cpu()
+    data, size = history.numpy().tobytes(), history.element_size()
     for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
-        windows = history.unfold(0, n, 1)[:-1]  # [L - n, n]: every earlier n-gram (not the suffix itself)
-        hits = (windows == history[-n:]).all(dim=1).nonzero()
-        if len(hits):
-            start = int(hits[-1]) + n  # the most recent occurrence
+        suffix = data[-n * size :]
+        at = data.rfind(suffix, 0, len(data) - size)  # an occurrence ending before the suffix's last id
+        while at > 0 and at % size:  # inside an id: search again, starting before it
+            at = data.rfind(suffix, 0, at + len(suffix) - 1)
+        if at >= 0:
+            start = at // size + n  # the most recent occurrence's end
             follow = history[start : start + num_tokens]
             out[: len(follow)] = follow
             return out
