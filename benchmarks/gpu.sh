@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# What only a GPU shows, in one run of under 10 minutes: the GPU tests (`pytest -m gpu`), the Llama-3.1-8B-shaped
-# target against the memory roofline and transformers, with graphs over eager kernels and over inductor's, with and
-# without async scheduling (benchmarks/large_target.py; the paged-attention kernel, s41 measured the others), the
+# What only a GPU shows, in one run of under 10 minutes (s51, an H200: 515 s for all parts): the GPU tests
+# (`pytest -m gpu`), the Llama-3.1-8B-shaped target in graph mode against the memory roofline and transformers,
+# with graphs over eager kernels and over inductor's, with and without async scheduling (benchmarks/large_target.py;
+# the paged-attention kernel, s41 measured the others; eager steps are bound by the host, s48 measured them), the
 # paged-attention kernel against gather + sdpa for Llama's heads and MLA's latent (benchmarks/paged_attention.py),
 # graph mode's step times on both demo targets, plain with async scheduling too (benchmarks/graph_steps.py; eager
 # steps are bound by the host, 10-20x their device time in s39's run), plain decoding with and without async
@@ -37,7 +38,7 @@ for name in $parts; do
         tests/engine/test_device_reads.py tests/grammars/test_mask_pipeline.py tests/core/test_transfer.py ;;
     graph_steps) part graph_steps 90 python3 benchmarks/graph_steps.py --graph-mode compiled --steps 24 --warmup 24 \
         --async-scheduling --host-profile "$out/host_profile.txt" ;;
-    large_target) part large_target 280 python3 benchmarks/large_target.py --attention triton ;;
+    large_target) part large_target 160 python3 benchmarks/large_target.py --attention triton --graph-mode compiled ;;
     adaptive) part adaptive 90 python3 benchmarks/adaptive.py --device cuda --dtype bfloat16 --graph-mode compiled ;;
     bench) part bench 180 python3 -m tandem.cli bench --device cuda --dtype bfloat16 --graph-mode compiled \
         --drafts eagle3 mtp --k 4 --batch 1 --prompts 4 --max-tokens 64 --repeats 2 --json --progress on ;;

@@ -11,10 +11,11 @@
 
    A decode or verify step of a small model attends over a few hundred keys per row, where the torch path's
    gather, transposes and sdpa call cost more in dispatch than in arithmetic. Here a row's entries are found once
-   by walking its blocks; a score is a query's and a key's products summed in 16 lanes, 16 keys' lanes then
-   added across in one tree; the scores are exponentiated against their maximum, and each output vector of 16
-   values sums the keys' values with those weights, in key order, in one register, then divides by the weights'
-   sum: float32 throughout. The order of every sum is fixed by the sizes alone, so a query's result depends on
+   by walking its blocks; a score is a query's and a key's products summed in 16 lanes (the query held in
+   registers), 16 keys' lanes then added across in one tree; the scores are exponentiated against their maximum,
+   and each output vector of 16 values sums the keys' values with those weights, in key order, in one register,
+   then divides by the weights' sum: float32 throughout. The (query, head) pairs that read one key/value head sum
+   their values side by side, each value vector loaded once for them all. The order of every sum is fixed by the sizes alone, so a query's result depends on
    nothing but its own keys: neither the other rows nor the number of queries in its row change it. */
 
 #define PY_SSIZE_T_CLEAN
@@ -33,6 +34,7 @@
 #define KEYS 16      /* keys per vector of scores */
 #define MAX_PAIRS 16 /* (query, head) pairs scored per pass over a head's keys: the scores' scratch */
 #define VALUE_VECTORS 4 /* output vectors of 16 values a pass over the keys sums at once: independent chains */
+#define MAX_QUERY_VECTORS 8 /* a query's vectors of 16 entries held in registers while it is scored (head_dim 128) */
 
 typedef struct {
     const float *base;
@@ -97,9 +99,38 @@ static inline __m512 sum_lanes16(const __m512 *v) {
                          _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* One pair's scores over its first `seen` keys (`keys`: their offsets from `base`): scores[j], unscaled. Each is its
+   products summed in 16 lanes (entries d, d + 16, ... in order in lane d % 16), then across the lanes, 16 keys at a
+   time. The query's vectors of 16 entries are held in registers, max_vectors (a constant: the products unroll) at a
+   time, the keys' lane sums carried from one such part of the query to the next. */
+static inline __attribute__((always_inline)) void score_pair(const float *q, const float *base, const int64_t *keys,
+                                                             int64_t seen, int vectors, int max_vectors,
+                                                             __mmask16 tail, float *scores) {
+    for (int64_t j0 = 0; j0 < seen; j0 += KEYS) {
+        __m512 acc[KEYS];
+#pragma GCC unroll 16
+        for (int k = 0; k < KEYS; k++) acc[k] = _mm512_setzero_ps();
+        for (int v0 = 0; v0 < vectors; v0 += max_vectors) {
+            __m512 q_v[MAX_QUERY_VECTORS];
+#pragma GCC unroll 8
+            for (int v = 0; v < max_vectors; v++)
+                if (v0 + v < vectors) q_v[v] = _mm512_maskz_loadu_ps(v0 + v == vectors - 1 ? tail : 0xFFFF, q + 16 * (v0 + v));
+#pragma GCC unroll 16
+            for (int k = 0; k < KEYS; k++) {
+                const float *key = base + keys[j0 + k] + 16 * v0;
+#pragma GCC unroll 8
+                for (int v = 0; v < max_vectors; v++)
+                    if (v0 + v < vectors)
+                        acc[k] = _mm512_fmadd_ps(
+                            q_v[v], _mm512_maskz_loadu_ps(v0 + v == vectors - 1 ? tail : 0xFFFF, key + 16 * v), acc[k]);
+            }
+        }
+        _mm512_storeu_ps(scores + j0, sum_lanes16(acc));
+    }
+}
+
 /* The scores of `pairs` (query, head) pairs of row b over its first `seen` keys of head kv (queries[p], heads[p]:
-   the pair's query and head; the row's key offsets in `keys`): scores[p * padded + j], unscaled. Each is its
-   products summed in 16 lanes (entries d, d + 16, ... in order in lane d % 16), then across the lanes. */
+   the pair's query and head; the row's key offsets in `keys`): scores[p * padded + j], unscaled (score_pair's). */
 static void score_pairs(const Attention *a, int b, int kv, const int *queries, const int *heads, int pairs,
                         const int64_t *keys, int64_t seen, int64_t padded, float *scores) {
     const float *base = a->keys.base + kv * a->keys.head;
@@ -107,26 +138,24 @@ static void score_pairs(const Attention *a, int b, int kv, const int *queries, c
     __mmask16 tail = (__mmask16)(last == 16 ? 0xFFFF : (1u << last) - 1);
     for (int p = 0; p < pairs; p++) {
         const float *q = a->q + b * a->q_row + queries[p] * a->q_query + heads[p] * a->q_head;
-        for (int64_t j0 = 0; j0 < seen; j0 += KEYS) {
-            __m512 acc[KEYS];
-            for (int k = 0; k < KEYS; k++) {
-                const float *key = base + keys[j0 + k];
-                acc[k] = _mm512_setzero_ps();
-                for (int v = 0; v < vectors; v++) {
-                    __mmask16 m = v == vectors - 1 ? tail : 0xFFFF;
-                    __m512 q_part = _mm512_maskz_loadu_ps(m, q + 16 * v);
-                    acc[k] = _mm512_fmadd_ps(q_part, _mm512_maskz_loadu_ps(m, key + 16 * v), acc[k]);
-                }
-            }
-            _mm512_storeu_ps(scores + p * padded + j0, sum_lanes16(acc));
+        float *row = scores + p * padded;
+        switch (vectors) { /* the usual head sizes, each its own unrolled loop; larger ones (MLA's latent) in parts */
+        case 1: score_pair(q, base, keys, seen, 1, 1, tail, row); break;
+        case 2: score_pair(q, base, keys, seen, 2, 2, tail, row); break;
+        case 3: score_pair(q, base, keys, seen, 3, 3, tail, row); break;
+        case 4: score_pair(q, base, keys, seen, 4, 4, tail, row); break;
+        case 5: score_pair(q, base, keys, seen, 5, 5, tail, row); break;
+        case 6: score_pair(q, base, keys, seen, 6, 6, tail, row); break;
+        case 7: score_pair(q, base, keys, seen, 7, 7, tail, row); break;
+        case 8: score_pair(q, base, keys, seen, 8, 8, tail, row); break;
+        default: score_pair(q, base, keys, seen, vectors, MAX_QUERY_VECTORS, tail, row);
         }
     }
 }
 
-/* One pair's output over its first num_keys keys (of the `scores` row at hand, turned into weights here; the
-   row's value offsets of head kv in `values`): out [value_dim]. */
-static void weigh_values(const Attention *a, int kv, const int64_t *values, int64_t num_keys, float *scores,
-                         float *out) {
+/* One pair's `scores` row over its first num_keys keys turned into its softmax's weights, unnormalised (e^(scale *
+   score - their maximum), in place); returns the inverse of their sum. */
+static float weigh(const Attention *a, int64_t num_keys, float *scores) {
     __m512 scale = _mm512_set1_ps(a->scale), top = _mm512_set1_ps(-INFINITY);
     int64_t whole = num_keys / KEYS * KEYS;
     __mmask16 tail = (__mmask16)((1u << (num_keys - whole)) - 1);
@@ -142,25 +171,75 @@ static void weigh_values(const Attention *a, int kv, const int64_t *values, int6
         _mm512_storeu_ps(scores + j, w);
         sums = _mm512_add_ps(sums, w);
     }
-    float inverse = 1.0f / _mm512_reduce_add_ps(sums);
+    return 1.0f / _mm512_reduce_add_ps(sums);
+}
+
+/* Pairs p < pairs (<= max_pairs) of a tile, over value columns d0 .. d0 + 16 * vectors - 1 (vectors <= max_vectors):
+   out_p = inverse[p] * sum_j weights[p][j] V_j over the pair's first num_keys[p] keys, one register per pair and
+   vector summing the keys in order (the pairs' chains run side by side, each value vector loaded once for all).
+   Inlined with constant maxima, which keep the accumulators in registers. */
+static inline __attribute__((always_inline)) void sum_values(const Attention *a, const float *base,
+                                                             const int64_t *values, int pairs, int max_pairs,
+                                                             const int64_t *num_keys, const float *weights,
+                                                             int64_t padded, const float *inverse, int d0, int vectors,
+                                                             int max_vectors, float *const *outs) {
+    __mmask16 m[4];
+    __m512 acc[16];
+    int64_t all = num_keys[0], most = num_keys[0]; /* keys every pair sees, and the most any sees */
+    for (int p = 1; p < pairs; p++) {
+        all = num_keys[p] < all ? num_keys[p] : all;
+        most = num_keys[p] > most ? num_keys[p] : most;
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < max_vectors; v++) {
+        int left = a->value_dim - d0 - 16 * v;
+        m[v] = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < max_pairs * max_vectors; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < most; j++) {
+        const float *value = base + values[j] + d0;
+        __m512 v_j[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < max_vectors; v++)
+            if (v < vectors) v_j[v] = _mm512_maskz_loadu_ps(m[v], value + 16 * v);
+#pragma GCC unroll 16
+        for (int p = 0; p < max_pairs; p++)
+            if (p < pairs && (j < all || j < num_keys[p])) {
+                __m512 w = _mm512_set1_ps(weights[p * padded + j]);
+#pragma GCC unroll 4
+                for (int v = 0; v < max_vectors; v++)
+                    if (v < vectors) acc[p * max_vectors + v] = _mm512_fmadd_ps(w, v_j[v], acc[p * max_vectors + v]);
+            }
+    }
+#pragma GCC unroll 16
+    for (int p = 0; p < max_pairs; p++)
+        if (p < pairs)
+            for (int v = 0; v < vectors; v++)
+                _mm512_mask_storeu_ps(outs[p] + d0 + 16 * v, m[v],
+                                      _mm512_mul_ps(acc[p * max_vectors + v], _mm512_set1_ps(inverse[p])));
+}
+
+/* The outputs of a tile's pairs (num_keys[p] >= 1 each) from their weights (`weigh`d scores rows, `padded` apart),
+   for head kv: out_p [value_dim]. */
+static void weigh_values(const Attention *a, int kv, const int64_t *values, int pairs, const int64_t *num_keys,
+                         const float *weights, int64_t padded, const float *inverse, float *const *outs) {
     const float *base = a->values.base + kv * a->values.head;
-    for (int d0 = 0; d0 < a->value_dim; d0 += 16 * VALUE_VECTORS) { /* independent chains: one per vector */
+    for (int d0 = 0; d0 < a->value_dim; d0 += 16 * VALUE_VECTORS) {
         int vectors = (a->value_dim - d0 + 15) / 16;
-        __mmask16 m[VALUE_VECTORS];
-        __m512 acc[VALUE_VECTORS];
-        for (int v = 0; v < VALUE_VECTORS; v++) {
-            int left = a->value_dim - d0 - 16 * v;
-            m[v] = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-            acc[v] = _mm512_setzero_ps();
+        vectors = vectors < VALUE_VECTORS ? vectors : VALUE_VECTORS;
+        int group = 16 / (vectors == 3 ? 4 : vectors); /* pairs whose accumulators fill 16 registers (3: as 4) */
+        for (int p0 = 0; p0 < pairs; p0 += group) {
+            int g = pairs - p0 < group ? pairs - p0 : group;
+            const int64_t *n = num_keys + p0;
+            const float *w = weights + p0 * padded;
+            if (vectors == 1)
+                sum_values(a, base, values, g, 16, n, w, padded, inverse + p0, d0, 1, 1, outs + p0);
+            else if (vectors == 2)
+                sum_values(a, base, values, g, 8, n, w, padded, inverse + p0, d0, 2, 2, outs + p0);
+            else
+                sum_values(a, base, values, g, 4, n, w, padded, inverse + p0, d0, vectors, 4, outs + p0);
         }
-        for (int64_t j = 0; j < num_keys; j++) {
-            __m512 w = _mm512_set1_ps(scores[j]);
-            const float *value = base + values[j] + d0;
-            for (int v = 0; v < VALUE_VECTORS; v++)
-                if (v < vectors) acc[v] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m[v], value + 16 * v), acc[v]);
-        }
-        for (int v = 0; v < VALUE_VECTORS; v++)
-            _mm512_mask_storeu_ps(out + d0 + 16 * v, m[v], _mm512_mul_ps(acc[v], _mm512_set1_ps(inverse)));
     }
 }
 
@@ -195,20 +274,28 @@ static int attend(const Attention *a) {
             row_offsets(&a->values, table, a, seen, values);
         }
         int queries[MAX_PAIRS], heads[MAX_PAIRS];
+        int64_t counts[MAX_PAIRS];
+        float inverse[MAX_PAIRS], *outs[MAX_PAIRS];
         for (int kv = 0; kv < a->kv_heads; kv++)
             for (int first = 0; first < a->queries * group; first += MAX_PAIRS) { /* pairs query-major */
                 int pairs = a->queries * group - first < MAX_PAIRS ? a->queries * group - first : MAX_PAIRS;
                 for (int p = 0; p < pairs; p++)
                     queries[p] = (first + p) / group, heads[p] = kv * group + (first + p) % group;
                 if (seen > 0) score_pairs(a, b, kv, queries, heads, pairs, keys, seen, padded, scores);
+                int seeing = 0; /* the tile's pairs that see a key, moved to its front */
                 for (int p = 0; p < pairs; p++) {
                     int64_t num_keys = keys_seen(a, positions[queries[p]]);
                     float *out = a->out + (((int64_t)b * a->queries + queries[p]) * a->heads + heads[p]) * head_out;
-                    if (num_keys > 0)
-                        weigh_values(a, kv, values, num_keys, scores + p * padded, out);
-                    else /* sees no key: zeros (a padding query's output is dropped anyway) */
+                    if (num_keys <= 0) { /* sees no key: zeros (a padding query's output is dropped anyway) */
                         memset(out, 0, sizeof(float) * head_out);
+                        continue;
+                    }
+                    if (seeing < p) memcpy(scores + seeing * padded, scores + p * padded, sizeof(float) * num_keys);
+                    counts[seeing] = num_keys, outs[seeing] = out;
+                    inverse[seeing] = weigh(a, num_keys, scores + seeing * padded);
+                    seeing++;
                 }
+                if (seeing) weigh_values(a, kv, values, seeing, counts, scores, padded, inverse, outs);
             }
     }
     free(keys);

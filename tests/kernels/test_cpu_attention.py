@@ -58,6 +58,18 @@ def test_the_kernel_equals_gather_and_sdpa(ends, new, heads, monkeypatch):
     torch.testing.assert_close(got, attend(layout, q, cache.layers[0], "torch", monkeypatch), **CLOSE)
 
 
+@pytest.mark.parametrize("dim", [8, 16, 24, 48, 64, 100, 128, 136, 200])
+def test_every_head_size_gives_the_torch_paths_attention(dim, monkeypatch):
+    """Heads of one to eight vectors of 16 entries (each scored by its own unrolled loop, the last vector whole or
+    part-filled) and wider ones (scored eight vectors at a time); values of as many vectors, summed four at a time."""
+    ends, new = [37, 20], [5, 2]
+    cache, generator = scattered_cache(ends, 4, (2, 2, dim))
+    layout = RaggedLayout.build(batch(ends, new), cache)
+    q = torch.randn(sum(new), 6, dim, generator=generator)
+    expected = attend(layout, q, cache.layers[0], "torch", monkeypatch)
+    torch.testing.assert_close(attend(layout, q, cache.layers[0], "auto", monkeypatch), expected, **CLOSE)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     rows=st.lists(st.tuples(st.integers(1, 70), st.integers(1, 6)), min_size=1, max_size=3),
