@@ -140,6 +140,8 @@ def test_the_adaptive_benchmark_reports_each_case_and_what_the_policy_chose(monk
     assert all(rows[case]["over_plain"] > 0 for case in ("adaptive", "fixed"))
     policy = rows["adaptive"]
     assert sum(policy["chosen"].values()) > 0 and 1 in map(int, policy["verify_ms"])
+    assert policy["step_ms_by_drafts"] and all(ms > 0 for ms in policy["step_ms_by_drafts"].values())
+    assert all(rows[case]["step_ms"] > 0 for case in ("plain", "adaptive", "fixed"))
 
 
 def test_the_large_target_benchmark_hands_tandem_the_transformers_weights(monkeypatch):
