@@ -23,10 +23,11 @@ from torch import Tensor
 
 from tandem.decoding.logprobs import TokenLogprob, assemble
 from tandem.engine.request import Request
+from tandem.models.base import Draft
 
 
 def resolve_async_scheduling(
-    setting: bool | None, device: torch.device, graph_mode: str, *, draft, parallel: bool
+    setting: bool | None, device: torch.device, graph_mode: str, *, draft: Draft | None, parallel: bool
 ) -> bool:
     """Whether an engine launches its plain decode steps ahead of their reads (``EngineConfig.async_scheduling``).
 

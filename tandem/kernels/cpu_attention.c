@@ -15,8 +15,9 @@
    registers), 16 keys' lanes then added across in one tree; the scores are exponentiated against their maximum,
    and each output vector of 16 values sums the keys' values with those weights, in key order, in one register,
    then divides by the weights' sum: float32 throughout. The (query, head) pairs that read one key/value head sum
-   their values side by side, each value vector loaded once for them all. The order of every sum is fixed by the sizes alone, so a query's result depends on
-   nothing but its own keys: neither the other rows nor the number of queries in its row change it. */
+   their values side by side, each value vector loaded once for them all. The order of every sum is fixed by the
+   sizes alone, so a query's result depends on nothing but its own keys: neither the other rows nor the number of
+   queries in its row change it. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,6 +35,7 @@
 #define KEYS 16      /* keys per vector of scores */
 #define MAX_PAIRS 16 /* (query, head) pairs scored per pass over a head's keys: the scores' scratch */
 #define VALUE_VECTORS 4 /* output vectors of 16 values a pass over the keys sums at once: independent chains */
+#define VALUE_REGISTERS 16 /* the accumulators of a group of pairs' value sums: pairs x vectors */
 #define MAX_QUERY_VECTORS 8 /* a query's vectors of 16 entries held in registers while it is scored (head_dim 128) */
 
 typedef struct {
@@ -112,17 +114,20 @@ static inline __attribute__((always_inline)) void score_pair(const float *q, con
         for (int k = 0; k < KEYS; k++) acc[k] = _mm512_setzero_ps();
         for (int v0 = 0; v0 < vectors; v0 += max_vectors) {
             __m512 q_v[MAX_QUERY_VECTORS];
+            __mmask16 m[MAX_QUERY_VECTORS]; /* each vector's entries: all 16 but in the query's last */
 #pragma GCC unroll 8
             for (int v = 0; v < max_vectors; v++)
-                if (v0 + v < vectors) q_v[v] = _mm512_maskz_loadu_ps(v0 + v == vectors - 1 ? tail : 0xFFFF, q + 16 * (v0 + v));
+                if (v0 + v < vectors) {
+                    m[v] = v0 + v == vectors - 1 ? tail : 0xFFFF;
+                    q_v[v] = _mm512_maskz_loadu_ps(m[v], q + 16 * (v0 + v));
+                }
 #pragma GCC unroll 16
             for (int k = 0; k < KEYS; k++) {
                 const float *key = base + keys[j0 + k] + 16 * v0;
 #pragma GCC unroll 8
                 for (int v = 0; v < max_vectors; v++)
                     if (v0 + v < vectors)
-                        acc[k] = _mm512_fmadd_ps(
-                            q_v[v], _mm512_maskz_loadu_ps(v0 + v == vectors - 1 ? tail : 0xFFFF, key + 16 * v), acc[k]);
+                        acc[k] = _mm512_fmadd_ps(q_v[v], _mm512_maskz_loadu_ps(m[v], key + 16 * v), acc[k]);
             }
         }
         _mm512_storeu_ps(scores + j0, sum_lanes16(acc));
@@ -183,8 +188,8 @@ static inline __attribute__((always_inline)) void sum_values(const Attention *a,
                                                              const int64_t *num_keys, const float *weights,
                                                              int64_t padded, const float *inverse, int d0, int vectors,
                                                              int max_vectors, float *const *outs) {
-    __mmask16 m[4];
-    __m512 acc[16];
+    __mmask16 m[VALUE_VECTORS];
+    __m512 acc[VALUE_REGISTERS];
     int64_t all = num_keys[0], most = num_keys[0]; /* keys every pair sees, and the most any sees */
     for (int p = 1; p < pairs; p++) {
         all = num_keys[p] < all ? num_keys[p] : all;
@@ -199,7 +204,7 @@ static inline __attribute__((always_inline)) void sum_values(const Attention *a,
     for (int i = 0; i < max_pairs * max_vectors; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < most; j++) {
         const float *value = base + values[j] + d0;
-        __m512 v_j[4];
+        __m512 v_j[VALUE_VECTORS];
 #pragma GCC unroll 4
         for (int v = 0; v < max_vectors; v++)
             if (v < vectors) v_j[v] = _mm512_maskz_loadu_ps(m[v], value + 16 * v);
@@ -228,17 +233,18 @@ static void weigh_values(const Attention *a, int kv, const int64_t *values, int 
     for (int d0 = 0; d0 < a->value_dim; d0 += 16 * VALUE_VECTORS) {
         int vectors = (a->value_dim - d0 + 15) / 16;
         vectors = vectors < VALUE_VECTORS ? vectors : VALUE_VECTORS;
-        int group = 16 / (vectors == 3 ? 4 : vectors); /* pairs whose accumulators fill 16 registers (3: as 4) */
+        int group = VALUE_REGISTERS / (vectors == 3 ? 4 : vectors); /* pairs whose accumulators fill them */
         for (int p0 = 0; p0 < pairs; p0 += group) {
             int g = pairs - p0 < group ? pairs - p0 : group;
             const int64_t *n = num_keys + p0;
             const float *w = weights + p0 * padded;
             if (vectors == 1)
-                sum_values(a, base, values, g, 16, n, w, padded, inverse + p0, d0, 1, 1, outs + p0);
+                sum_values(a, base, values, g, VALUE_REGISTERS, n, w, padded, inverse + p0, d0, 1, 1, outs + p0);
             else if (vectors == 2)
-                sum_values(a, base, values, g, 8, n, w, padded, inverse + p0, d0, 2, 2, outs + p0);
+                sum_values(a, base, values, g, VALUE_REGISTERS / 2, n, w, padded, inverse + p0, d0, 2, 2, outs + p0);
             else
-                sum_values(a, base, values, g, 4, n, w, padded, inverse + p0, d0, vectors, 4, outs + p0);
+                sum_values(a, base, values, g, VALUE_REGISTERS / 4, n, w, padded, inverse + p0, d0, vectors, 4,
+                           outs + p0);
         }
     }
 }
