@@ -14,8 +14,12 @@
    new page every row or two, where the hardware prefetchers stop. A step's weights come from the
    last-level cache or from memory (a model's layers together outgrow the core's own caches), so
    a block reads as wide a piece of each weight row as its registers hold, and prefetches the rows
-   PREFETCH_ROWS ahead itself. Blocks of one row (decode, drafting) are ROW_VECTORS wide; blocks
-   of several rows share the registers between their rows' accumulators (rows_block).
+   PREFETCH_ROWS ahead itself, into the core's L2 (its L1 keeps too few misses in flight for that
+   distance: prefetched into L1, a verify's multiply-adds waited on memory rather than overlapping
+   it). A block's last rows prefetch the next block's first, and a call's first block is primed
+   before it starts, so no block begins on misses. Blocks of one row (decode, drafting) are
+   ROW_VECTORS wide; blocks of several rows share the registers between their rows' accumulators
+   (rows_block).
 
    Every out[m, n] is one fused multiply-add chain over k in order, whatever M is and however
    the rows and columns are blocked: a row's result does not depend on the batch it is in. */
@@ -40,24 +44,31 @@ static inline __attribute__((always_inline)) __m512 load_bf16(const uint16_t *p,
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
+/* The cache lines of `vectors` (<= max_vectors) vectors of a weight row into L2: a line holds two vectors'
+   32 bfloat16. */
+static inline __attribute__((always_inline)) void prefetch_row(const uint16_t *row, int vectors, int max_vectors) {
+#pragma GCC unroll 16
+    for (int v = 0; v < max_vectors; v += 2)
+        if (v < vectors) _mm_prefetch((const char *)(row + 16 * v), _MM_HINT_T1);
+}
+
 /* rows (<= max_rows) rows of x times `vectors` (<= max_vectors) * 16 columns of wt, the last vector
-   holding the columns in `tail`. Inlined with constants for max_rows and max_vectors, which size the
-   accumulators, and for the full blocks' vectors, which then load unmasked. */
+   holding the columns in `tail`; `next` (NULL: none) is the next block's first column, `next_vectors`
+   its width. Inlined with constants for max_rows and max_vectors, which size the accumulators, and for
+   the full blocks' vectors, which then load unmasked. */
 static inline __attribute__((always_inline)) void block(const float *x, int rows, int max_rows, int k_size,
                                                         const uint16_t *wt, int64_t ldw, int n_size, int vectors,
                                                         int max_vectors, __mmask16 tail, const float *bias,
-                                                        float *out) {
+                                                        float *out, const uint16_t *next, int next_vectors) {
     __m512 acc[MAX_BLOCK_ROWS * ROW_VECTORS];
 #pragma GCC unroll 16
     for (int i = 0; i < max_rows * max_vectors; i++) acc[i] = _mm512_setzero_ps();
     for (int k = 0; k < k_size; k++) {
         const uint16_t *w_row = wt + k * ldw;
-        if (k + PREFETCH_ROWS < k_size) {
-            const char *ahead = (const char *)(w_row + PREFETCH_ROWS * ldw);
-#pragma GCC unroll 16
-            for (int v = 0; v < max_vectors; v += 2) /* a cache line: two vectors' 32 bfloat16 */
-                if (v < vectors) _mm_prefetch(ahead + 32 * v, _MM_HINT_T0);
-        }
+        if (k + PREFETCH_ROWS < k_size)
+            prefetch_row(w_row + PREFETCH_ROWS * ldw, vectors, max_vectors);
+        else if (next && k + PREFETCH_ROWS - k_size < k_size)
+            prefetch_row(next + (k + PREFETCH_ROWS - k_size) * ldw, next_vectors, max_vectors);
         __m512 w[ROW_VECTORS];
 #pragma GCC unroll 16
         for (int v = 0; v < max_vectors; v++)
@@ -84,15 +95,21 @@ static inline __attribute__((always_inline)) void block(const float *x, int rows
 static inline __attribute__((always_inline)) void column_blocks(const float *x, int rows, int max_rows, int k_size,
                                                                 const uint16_t *wt, int64_t ldw, int n_size,
                                                                 int max_vectors, const float *bias, float *out) {
-    for (int n0 = 0; n0 < n_size; n0 += 16 * max_vectors) {
+    int width = 16 * max_vectors;
+    for (int k = 0; k < PREFETCH_ROWS && k < k_size; k++)
+        prefetch_row(wt + k * ldw, n_size >= width ? max_vectors : (n_size + 15) / 16, max_vectors);
+    for (int n0 = 0; n0 < n_size; n0 += width) {
         const float *b = bias ? bias + n0 : NULL;
-        int left = n_size - n0;
-        if (left >= 16 * max_vectors) {
-            block(x, rows, max_rows, k_size, wt + n0, ldw, n_size, max_vectors, max_vectors, 0xFFFF, b, out + n0);
+        int left = n_size - n0, next_left = left - width;
+        const uint16_t *next = next_left > 0 ? wt + n0 + width : NULL;
+        int next_vectors = next_left >= width ? max_vectors : (next_left + 15) / 16;
+        if (left >= width) {
+            block(x, rows, max_rows, k_size, wt + n0, ldw, n_size, max_vectors, max_vectors, 0xFFFF, b, out + n0, next,
+                  next_vectors);
         } else {
             int vectors = (left + 15) / 16, last = left - 16 * (vectors - 1); /* last: 1..16 columns */
             __mmask16 tail = (__mmask16)(last == 16 ? 0xFFFF : (1u << last) - 1);
-            block(x, rows, max_rows, k_size, wt + n0, ldw, n_size, vectors, max_vectors, tail, b, out + n0);
+            block(x, rows, max_rows, k_size, wt + n0, ldw, n_size, vectors, max_vectors, tail, b, out + n0, NULL, 0);
         }
     }
 }
