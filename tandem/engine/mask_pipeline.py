@@ -9,7 +9,13 @@ The worker fills one of two pinned host buffers (they alternate by step), then o
 joins the worker and makes the *current stream* wait on that event: no device-wide sync. Before the
 worker rewrites a host buffer it waits for the copy that last read it (that one event only), and
 the side stream waits until the consumer stream is past the step that last used the device buffer.
-On CPU the same path runs with the thread and no copy: consumers read the host buffer.
+
+On the CPU the host runs the forward itself, so there is no idle host to hide the masks behind: by
+default `submit` fills them before it returns (no thread, no copy: consumers read the host buffer). A
+worker thread there took turns with the forward's Python for the GIL, and each hand-off (the thread that
+wants the GIL back waits for the other to let go, up to `sys.getswitchinterval()`) cost more than the
+overlap won: JSON-schema requests ran 1.04-1.19x faster without it (README). `worker=True` keeps the
+thread on the CPU too (a benchmark's simulated forward, which leaves the host idle).
 """
 
 from __future__ import annotations
@@ -110,7 +116,8 @@ class MaskHandle:
 
 
 class MaskPipeline:
-    """Double-buffered mask computation on one worker thread, for batches up to `max_batch` rows."""
+    """Double-buffered mask computation for batches up to `max_batch` rows: on one worker thread, or inline
+    (`worker=False`; None: a thread unless `device` is the CPU, see the module docstring)."""
 
     def __init__(
         self,
@@ -119,6 +126,8 @@ class MaskPipeline:
         k: int,
         device: torch.device | str = "cpu",
         copier: Copier | None = None,
+        *,
+        worker: bool | None = None,
     ):
         self.masker = masker
         self.device = torch.device(device)
@@ -130,18 +139,29 @@ class MaskPipeline:
         self._copier = copier if copier is not None else (CudaCopier(self.device, shape) if pin else None)
         self._in_flight: list[CopyTicket | None] = [None, None]  # last copy out of each host buffer
         self._slot = 0
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        if worker is None:
+            worker = self.device.type != "cpu"
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks") if worker else None
 
     def submit(
         self, row_ids: Sequence[Hashable], drafts: torch.Tensor, remaining: Sequence[int | None] | None = None
     ) -> MaskHandle:
         """Start filling masks for `row_ids` with drafts [B, w] int64 CPU (w <= k) and the rows' remaining
-        budgets (closing masks, `SpeculativeMasker.fill`); returns at once.
+        budgets (closing masks, `SpeculativeMasker.fill`); returns at once with a worker thread, else once they
+        are filled (a failure is raised by `wait()` either way).
 
         The masker must not be committed to until this step's `wait()` returned.
         """
         slot, self._slot = self._slot, 1 - self._slot
-        return MaskHandle(self._worker.submit(self._fill, slot, list(row_ids), drafts, remaining))
+        args = slot, list(row_ids), drafts, remaining
+        if self._worker is not None:
+            return MaskHandle(self._worker.submit(self._fill, *args))
+        future = Future()
+        try:
+            future.set_result(self._fill(*args))
+        except Exception as error:  # handed to wait(), as the worker's would be
+            future.set_exception(error)
+        return MaskHandle(future)
 
     def _fill(self, slot: int, row_ids: list, drafts: torch.Tensor, remaining: Sequence[int | None] | None):
         if self._in_flight[slot] is not None:  # never overwrite a buffer a copy still reads
@@ -157,4 +177,5 @@ class MaskPipeline:
         return bitmask, in_thinking, allows_nothing, ticket
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)

@@ -7,7 +7,8 @@ The masks come from one of two places:
 - the draft's walk: when every row verifies drafts its grammar walk went through at the last propose
   (a prefix of the walk's path), that walk already wrote the masks `SpeculativeMasker.fill` would (it
   is the same walk), so the step takes them;
-- else the `MaskPipeline`, which builds them on its worker thread while the target's forward runs.
+- else the `MaskPipeline`, which builds them on its worker thread while the target's forward runs (on the
+  CPU, which runs the forward itself, before it).
 
 The masker (`tandem.grammars.masks`) holds each row's grammar state; this module only decides where
 a step's masks come from and keeps the walked ones for the next verify.

@@ -1,4 +1,5 @@
-"""MaskPipeline: same masks as a direct fill; a buffer is never rewritten while a copy reads it."""
+"""MaskPipeline: same masks as a direct fill, inline or on its worker; a buffer is never rewritten while a copy
+reads it."""
 
 from __future__ import annotations
 
@@ -42,10 +43,11 @@ def scripted_steps(tokenizer, markers, steps=4):
         yield torch.tensor(drafts), [a[step * K : (step + 1) * K] for a in answers]
 
 
-def test_pipeline_masks_equal_direct_masks(tokenizer, hf_tokenizer):
+@pytest.mark.parametrize("worker", [None, True])
+def test_pipeline_masks_equal_direct_masks(tokenizer, hf_tokenizer, worker):
     direct, markers = make_masker(tokenizer, hf_tokenizer)
     piped, _ = make_masker(tokenizer, hf_tokenizer)
-    pipeline = MaskPipeline(piped, max_batch=4, k=K)
+    pipeline = MaskPipeline(piped, max_batch=4, k=K, worker=worker)
     for drafts, commits in scripted_steps(tokenizer, markers):
         expected = torch.zeros(3, K + 1, direct.width, dtype=torch.int32)
         expected_thinking = torch.zeros(3, K + 1, dtype=torch.bool)
@@ -56,6 +58,23 @@ def test_pipeline_masks_equal_direct_masks(tokenizer, hf_tokenizer):
         for row, tokens in enumerate(commits):
             direct.commit(row, tokens)
             piped.commit(row, tokens)
+    pipeline.close()
+
+
+@pytest.mark.parametrize("worker", [None, False, True])
+def test_cpu_masks_fill_inline_unless_a_worker_is_asked_for(tokenizer, hf_tokenizer, monkeypatch, worker):
+    masker, markers = make_masker(tokenizer, hf_tokenizer)
+    threads = []
+    fill = masker.fill
+    monkeypatch.setattr(masker, "fill", lambda *args: threads.append(threading.current_thread()) or fill(*args))
+    pipeline = MaskPipeline(masker, max_batch=4, k=K, worker=worker)
+    drafts, _ = next(scripted_steps(tokenizer, markers))
+    pipeline.submit([0, 1, 2], drafts).wait()
+    assert (threads == [threading.current_thread()]) == (not worker)
+    # A failure reaches wait(), inline as from the worker: here a row the masker does not hold.
+    handle = pipeline.submit([0, 1, 7], drafts)
+    with pytest.raises(KeyError):
+        handle.wait()
     pipeline.close()
 
 
@@ -83,11 +102,12 @@ class SlowCopier:
         return snapshot, in_thinking.clone(), ticket
 
 
+@pytest.mark.parametrize("worker", [False, True])
 @pytest.mark.parametrize("guarded", [True, False])
-def test_worker_never_writes_a_buffer_whose_copy_is_in_flight(tokenizer, hf_tokenizer, guarded, monkeypatch):
+def test_worker_never_writes_a_buffer_whose_copy_is_in_flight(tokenizer, hf_tokenizer, guarded, worker, monkeypatch):
     masker, markers = make_masker(tokenizer, hf_tokenizer)
     copier = SlowCopier(delay=0.2)
-    pipeline = MaskPipeline(masker, max_batch=4, k=K, copier=copier)
+    pipeline = MaskPipeline(masker, max_batch=4, k=K, copier=copier, worker=worker)
     if not guarded:  # prove the check can fail: drop the guard and the copy gets corrupted
         monkeypatch.setattr(
             pipeline, "_in_flight", type("NoGuard", (list,), {"__setitem__": lambda *a: None})([None, None])
