@@ -7,7 +7,13 @@ llguidance's layout, so their matchers fill our buffers directly. Bits past V ar
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import torch
+
+# On a little-endian host a word's four bytes hold its bits 0-31 in order, LSB first: numpy unpacks them as tokens.
+_HOST_UNPACKS = sys.byteorder == "little"
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -16,7 +22,16 @@ def bitmask_width(vocab_size: int) -> int:
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 [..., W] -> bool [..., V], True = allowed."""
+    """int32 [..., W] -> bool [..., V], True = allowed. A CPU bitmask is unpacked by numpy, one call where torch
+    takes six ops (a grammar row's draft pass and acceptance unpack one each step)."""
+    if bitmask.is_cpu and _HOST_UNPACKS and not torch.compiler.is_compiling():
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
+        return torch.from_numpy(bits[..., :vocab_size]).view(torch.bool)
+    return unpack_bitmask_ops(bitmask, vocab_size)
+
+
+def unpack_bitmask_ops(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`unpack_bitmask` by torch ops, on any device."""
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     return bits.flatten(-2)[..., :vocab_size].bool()

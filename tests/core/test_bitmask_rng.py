@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from tandem.core.bitmask import bitmask_width, pack_bitmask, token_allowed, unpack_bitmask
+from tandem.core.bitmask import bitmask_width, pack_bitmask, token_allowed, unpack_bitmask, unpack_bitmask_ops
 from tandem.core.rng import STREAM_ACCEPT, STREAM_EMIT, uniform
 from tests.decoding.reference import ALPHA
 
@@ -22,6 +22,18 @@ def test_pack_then_unpack_is_the_identity(vocab_size, seed):
     tokens = torch.randint(vocab_size, (3, 5), generator=torch.Generator().manual_seed(seed))
     rows = packed.unsqueeze(1).expand(-1, 5, -1)
     assert torch.equal(token_allowed(rows, tokens), allowed.gather(-1, tokens))
+
+
+@given(st.integers(1, 200), st.integers(0, 2**31 - 1))
+@settings(max_examples=100)
+def test_host_unpack_equals_the_torch_ops(vocab_size, seed):
+    """The CPU's numpy unpack against the torch ops every other device runs, on any words (sign bits, bits past
+    V) and on a strided view of a [B, k+1, W] buffer's column, as a draft's walk reads it."""
+    generator = torch.Generator().manual_seed(seed)
+    words = torch.randint(-(2**31), 2**31, (3, 4, bitmask_width(vocab_size)), dtype=torch.int32, generator=generator)
+    for bitmask in (words, words[:, 2]):
+        host = unpack_bitmask(bitmask, vocab_size)
+        assert host.dtype == torch.bool and torch.equal(host, unpack_bitmask_ops(bitmask, vocab_size))
 
 
 def test_layout_is_xgrammars():
