@@ -14,8 +14,8 @@ On the CPU the host runs the forward itself, so there is no idle host to hide th
 default `submit` fills them before it returns (no thread, no copy: consumers read the host buffer). A
 worker thread there took turns with the forward's Python for the GIL, and each hand-off (the thread that
 wants the GIL back waits for the other to let go, up to `sys.getswitchinterval()`) cost more than the
-overlap won: JSON-schema requests ran 1.04-1.19x faster without it (README). `worker=True` keeps the
-thread on the CPU too (a benchmark's simulated forward, which leaves the host idle).
+overlap won (README, "Why each fast path exists"). `worker=True` keeps the thread on the CPU too (a
+benchmark's simulated forward, which leaves the host idle).
 """
 
 from __future__ import annotations
