@@ -91,23 +91,29 @@ static inline __attribute__((always_inline)) void block(const float *x, int rows
         }
 }
 
+/* The vectors of the block that starts with `columns` columns left: max_vectors, or fewer at the end. */
+static inline int block_vectors(int columns, int max_vectors) {
+    int vectors = (columns + 15) / 16;
+    return vectors < max_vectors ? vectors : max_vectors;
+}
+
 /* Rows m0 .. m0 + rows - 1 (rows <= max_rows) over every column, in blocks of max_vectors vectors. */
 static inline __attribute__((always_inline)) void column_blocks(const float *x, int rows, int max_rows, int k_size,
                                                                 const uint16_t *wt, int64_t ldw, int n_size,
                                                                 int max_vectors, const float *bias, float *out) {
     int width = 16 * max_vectors;
     for (int k = 0; k < PREFETCH_ROWS && k < k_size; k++)
-        prefetch_row(wt + k * ldw, n_size >= width ? max_vectors : (n_size + 15) / 16, max_vectors);
+        prefetch_row(wt + k * ldw, block_vectors(n_size, max_vectors), max_vectors);
     for (int n0 = 0; n0 < n_size; n0 += width) {
         const float *b = bias ? bias + n0 : NULL;
         int left = n_size - n0, next_left = left - width;
         const uint16_t *next = next_left > 0 ? wt + n0 + width : NULL;
-        int next_vectors = next_left >= width ? max_vectors : (next_left + 15) / 16;
+        int next_vectors = block_vectors(next_left, max_vectors);
         if (left >= width) {
             block(x, rows, max_rows, k_size, wt + n0, ldw, n_size, max_vectors, max_vectors, 0xFFFF, b, out + n0, next,
                   next_vectors);
         } else {
-            int vectors = (left + 15) / 16, last = left - 16 * (vectors - 1); /* last: 1..16 columns */
+            int vectors = block_vectors(left, max_vectors), last = left - 16 * (vectors - 1); /* last: 1..16 columns */
             __mmask16 tail = (__mmask16)(last == 16 ? 0xFFFF : (1u << last) - 1);
             block(x, rows, max_rows, k_size, wt + n0, ldw, n_size, vectors, max_vectors, tail, b, out + n0, NULL, 0);
         }
