@@ -29,13 +29,16 @@ For row b and draft position j (0 <= j < k), with d_j the draft token:
   the same tokens whatever else is in the batch.
 
 The whole batch is processed with tensor ops (no Python loop over rows or positions); mixed
-batches of greedy, stochastic, relaxed, masked and unmasked rows go through one call.
+batches of greedy, stochastic, relaxed, masked and unmasked rows go through one call. One exception, on the
+CPU: a batch of greedy rows without relaxed positions reads its masked argmaxes to the host and walks each
+row's positions there (`_accept_greedy_host`); with no device to keep the work on, the tensor path's dozen
+batch-wide ops cost more in dispatch than the walk of a few positions per row.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +48,8 @@ from tandem.core.rng import STREAM_ACCEPT, STREAM_EMIT, uniform
 from tandem.decoding.params import RelaxedAcceptance, SamplingTensors
 from tandem.decoding.sampling import (
     PLACEHOLDER_TOKEN_ID,
+    apply_mask,
+    argmax,
     check_sampling,
     mask_logits,
     sample_from_weights,
@@ -66,6 +71,7 @@ class AcceptanceResult:
     num_accepted: torch.Tensor
     tokens: torch.Tensor
     dead_end: torch.Tensor
+    host: list[tuple[list[int], int, bool]] | None = field(default=None, repr=False, compare=False)  # `to_host`'s
 
     @classmethod
     def without_drafts(cls, tokens: torch.Tensor) -> AcceptanceResult:
@@ -81,7 +87,10 @@ class AcceptanceResult:
         return self.num_accepted + (~self.dead_end).long()
 
     def to_host(self) -> list[tuple[list[int], int, bool]]:
-        """Per row ``(emitted tokens, drafts accepted, dead end)`` as Python values: one read of the device."""
+        """Per row ``(emitted tokens, drafts accepted, dead end)`` as Python values: one read of the device (none
+        when the result was decided on the host)."""
+        if self.host is not None:
+            return self.host
         columns = torch.cat([self.num_accepted[:, None], self.dead_end[:, None].long(), self.tokens], dim=1)
         return [
             (tokens[: accepted + (not dead_end)], accepted, bool(dead_end))
@@ -113,7 +122,8 @@ def accept(
     relaxed:       the relaxed rule's parameters, or None = off
     backend:       "torch" (this function), "triton" (tandem.kernels, fused; same contract, greedy
                    and relaxed results identical, stochastic ones equal in distribution) or "auto"
-                   (Triton for CUDA tensors when triton is installed, torch otherwise)
+                   (Triton for CUDA tensors when triton is installed; on the CPU the host walk for a
+                   greedy batch without relaxed positions, identical results; torch otherwise)
     Does not modify its inputs.
     """
     if backend not in ("auto", "torch", "triton"):
@@ -121,6 +131,9 @@ def accept(
     check_accept_inputs(target_logits, draft_tokens, draft_probs, sampling, bitmask, in_thinking, relaxed)
     if backend == "triton" or (backend == "auto" and target_logits.is_cuda and _triton_available()):
         return _accept_with_kernels(target_logits, draft_tokens, draft_probs, sampling, bitmask, in_thinking, relaxed)
+    greedy = sampling is None or sampling.all_greedy
+    if backend == "auto" and greedy and not target_logits.is_cuda and (relaxed is None or in_thinking is None):
+        return _accept_greedy_host(target_logits, draft_tokens, bitmask)
     return _accept_torch(target_logits, draft_tokens, draft_probs, sampling, bitmask, in_thinking, relaxed)
 
 
@@ -200,8 +213,8 @@ def _accept_torch(
 
     if sampling is None or sampling.all_greedy:
         # Fast path, identical to the general one for greedy rows: p is a point mass.
-        argmax = masked.argmax(dim=-1)  # [B, k+1]
-        accepted = eligible & (drafts == argmax[:, :k])
+        best = argmax(masked)  # [B, k+1]
+        accepted = eligible & (drafts == best[:, :k])
         probs = None
     else:
         flat = masked.flatten(0, 1)
@@ -218,7 +231,7 @@ def _accept_torch(
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B] length of the accepted prefix
     at_stop = num_accepted.view(batch, 1)
     if probs is None:
-        emitted = argmax.gather(1, at_stop).squeeze(1)
+        emitted = best.gather(1, at_stop).squeeze(1)
     else:
         emitted = _emit(probs, draft_probs, drafts, in_vocab, at_stop, sampling.seed)
     dead_end = dead.gather(1, at_stop).squeeze(1)
@@ -229,6 +242,31 @@ def _accept_torch(
     tokens = torch.where(positions < at_stop, padded_drafts, PLACEHOLDER_TOKEN_ID)
     tokens = torch.where(positions == at_stop, emitted.unsqueeze(1), tokens)
     return AcceptanceResult(num_accepted=num_accepted, tokens=tokens, dead_end=dead_end)
+
+
+def _accept_greedy_host(
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, bitmask: torch.Tensor | None
+) -> AcceptanceResult:
+    """`_accept_torch`'s greedy rule with each row's positions walked on the host, from its masked argmaxes read
+    once: the same result. A draft equal to its position's masked argmax at a live position is a real token the
+    mask allows, so that comparison alone is the rule's eligibility and acceptance."""
+    k = target_logits.shape[1] - 1
+    masked = apply_mask(target_logits, bitmask)
+    top = argmax(masked)  # [B, k+1]
+    dead = masked.gather(-1, top.unsqueeze(-1)).squeeze(-1) == float("-inf")  # the maximum is -inf: none allowed
+    rows = []
+    for best, ended, drafts in zip(top.tolist(), dead.tolist(), draft_tokens.tolist()):
+        n = 0
+        while n < k and not ended[n] and drafts[n] == best[n]:
+            n += 1
+        rows.append((drafts[:n] if ended[n] else [*drafts[:n], best[n]], n, ended[n]))
+    tokens = [[*emitted, *[PLACEHOLDER_TOKEN_ID] * (k + 1 - len(emitted))] for emitted, _, _ in rows]
+    return AcceptanceResult(
+        num_accepted=torch.tensor([n for _, n, _ in rows]),
+        tokens=torch.tensor(tokens, dtype=torch.int64).view(len(rows), k + 1),
+        dead_end=torch.tensor([ended for _, _, ended in rows], dtype=torch.bool),
+        host=rows,
+    )
 
 
 def _relaxed_accepts(masked: torch.Tensor, drafts: torch.Tensor, relaxed: RelaxedAcceptance) -> torch.Tensor:

@@ -28,6 +28,15 @@ from tandem.decoding.params import SamplingTensors
 PLACEHOLDER_TOKEN_ID = -1  # no token: past the emitted one, or at a dead end
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [..., V] -> [...]`` int64, the first index of each row's maximum (as ``torch.argmax``). CPU float32
+    rows outside ``torch.compile`` go through numpy: torch's CPU argmax is a scalar loop, numpy's vectorized, and
+    greedy decoding takes one per step (a plain step, each draft pass, every verified position)."""
+    if logits.is_cpu and logits.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 def forbid_ids_from(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
     """``logits [..., V]`` with the ids from ``vocab_limit`` up at -inf, in place (a model's embedding rows past its
     tokenizer's: never emitted nor drafted); nothing when ``vocab_limit`` is None or V fits below it."""
@@ -45,12 +54,17 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[tor
              rows are all zeros (so later math stays finite; their output is discarded);
              dead [...] bool, True where no token is allowed.
     """
-    masked = logits.float()
-    if bitmask is not None:
-        # where(allowed, ...), not masked_fill(~allowed, ...): one op fewer, which shows in accept's time under a mask
-        masked = torch.where(unpack_bitmask(bitmask, logits.shape[-1]), masked, float("-inf"))
+    masked = apply_mask(logits, bitmask)
     dead = masked.amax(dim=-1) == float("-inf")
     return masked.masked_fill(dead.unsqueeze(-1), 0.0), dead
+
+
+def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+    """``logits [..., V]`` in float32 with the tokens ``bitmask [..., W]`` forbids at -inf (None: all allowed)."""
+    if bitmask is None:
+        return logits.float()
+    # where(allowed, ...), not masked_fill(~allowed, ...): one op fewer, which shows in accept's time under a mask
+    return torch.where(unpack_bitmask(bitmask, logits.shape[-1]), logits.float(), float("-inf"))
 
 
 def target_probs(masked: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
@@ -178,7 +192,7 @@ def sample(
     check_sampling(sampling, batch, logits.device)
     masked, dead = mask_logits(logits, bitmask)
     if sampling is None or sampling.all_greedy:
-        tokens = masked.argmax(dim=-1)
+        tokens = argmax(masked)
     else:
         u = uniform(sampling.seed, STREAM_EMIT, torch.zeros(1, dtype=torch.int64, device=logits.device))
         tokens = sample_from_weights(target_probs(masked, sampling), u.squeeze(-1))

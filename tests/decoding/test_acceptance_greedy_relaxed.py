@@ -85,6 +85,34 @@ def test_greedy_fast_path_equals_greedy_rows_of_a_mixed_batch(case):
     assert torch.equal(general.dead_end[:batch], greedy.dead_end)
 
 
+@given(greedy_batch(), st.data())
+@settings(max_examples=300)
+def test_the_host_walk_decides_a_greedy_cpu_batch_as_the_tensor_path_does(case, data):
+    logits, drafts, allowed = case
+    batch, k = drafts.shape
+    vocab_size = logits.shape[-1]
+    # Padded and out-of-vocabulary drafts too: never accepted, their positions emit the argmax.
+    outside = st.sampled_from([-1, vocab_size, vocab_size + 5])
+    for b, j in data.draw(st.sets(st.tuples(st.integers(0, batch - 1), st.integers(0, max(k - 1, 0))))):
+        if k:
+            drafts[b, j] = data.draw(outside)
+    host = accept(logits, drafts, bitmask=_bitmask(allowed))
+    tensors = accept(logits, drafts, bitmask=_bitmask(allowed), backend="torch")
+    assert host.host is not None and tensors.host is None  # the CPU's greedy batch took the host walk
+    assert torch.equal(host.num_accepted, tensors.num_accepted)
+    assert torch.equal(host.tokens, tensors.tokens)
+    assert torch.equal(host.dead_end, tensors.dead_end)
+    assert host.to_host() == tensors.to_host()
+
+
+def test_a_stochastic_or_relaxed_batch_keeps_the_tensor_path():
+    logits, drafts = torch.zeros(2, 3, 5), torch.zeros(2, 2, dtype=torch.int64)
+    stochastic = accept(logits, drafts, sampling=SamplingTensors.full(2, temperature=1.0, seed=torch.arange(2)))
+    thinking = torch.ones(2, 3, dtype=torch.bool)
+    relaxed = accept(logits, drafts, in_thinking=thinking, relaxed=RelaxedAcceptance(top_k=2, delta=0.1))
+    assert stochastic.host is None and relaxed.host is None
+
+
 @given(greedy_batch(), st.integers(1, 12), st.sampled_from([0.0, 0.1, 0.6, 1.0]), st.booleans())
 @settings(max_examples=300)
 def test_relaxed_rule_equals_reference(case, top_k, delta, stochastic):

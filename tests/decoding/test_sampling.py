@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tandem.core.bitmask import pack_bitmask
 from tandem.decoding import PLACEHOLDER_TOKEN_ID, SamplingTensors, accept, sample
 from tandem.decoding import sampling as sampling_module
-from tandem.decoding.sampling import mask_logits, target_probs
+from tandem.decoding.sampling import argmax, mask_logits, target_probs
 
 from .reference import assert_distributed_as, reference_probs
 from .strategies import filter_settings, random_allowed
@@ -121,3 +121,20 @@ def test_sample_accepts_half_precision_logits():
     for dtype in (torch.bfloat16, torch.float16):
         expected = logits.to(dtype).float().argmax(-1)
         assert torch.equal(sample(logits.to(dtype)), expected)
+
+
+@given(st.integers(1, 4), st.integers(1, 40), st.integers(0, 2**31 - 1), st.booleans())
+@settings(max_examples=200)
+def test_argmax_is_torchs_first_maximum_ties_infinities_and_strides_included(rows, vocab_size, seed, strided):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-2, 2, (rows, 3, vocab_size), generator=generator).float()  # ties everywhere
+    logits[0, 0] = float("-inf")
+    logits[-1, -1, torch.randint(vocab_size, (1,), generator=generator)] = float("nan")
+    if strided:
+        logits = logits.transpose(0, 1)
+    assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+
+
+def test_argmax_of_other_dtypes_is_torchs():
+    logits = torch.tensor([[0.5, 2.0, 2.0], [1.0, -1.0, 0.0]], dtype=torch.bfloat16)
+    assert argmax(logits).tolist() == [1, 0]

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from tandem.decoding.sampling import forbid_ids_from
+from tandem.decoding.sampling import argmax, forbid_ids_from
 from tandem.models.base import DraftInput, ForwardBatch, KVCache, Target
 from tandem.models.config import LlamaConfig
 
@@ -51,7 +51,7 @@ def propose_chained(step: StepFn, head: HeadFn, inp: DraftInput, hidden: Tensor,
         forbid_ids_from(logits, inp.vocab_limit)
         if constraint is not None:
             logits = torch.where(constraint.allowed(), logits, float("-inf"))
-        tokens[:, i] = logits.argmax(dim=-1)
+        tokens[:, i] = argmax(logits)
         if constraint is not None:
             constraint.advance(tokens[:, i])
         if i + 1 < k:
