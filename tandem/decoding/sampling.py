@@ -190,10 +190,12 @@ def sample(
     if bitmask is not None:
         check_tensor("bitmask", bitmask, (batch, bitmask_width(vocab_size)), (torch.int32,), logits.device)
     check_sampling(sampling, batch, logits.device)
-    masked, dead = mask_logits(logits, bitmask)
-    if sampling is None or sampling.all_greedy:
+    if sampling is None or sampling.all_greedy:  # the masked argmax; a row whose maximum is -inf allows nothing
+        masked = apply_mask(logits, bitmask)
         tokens = argmax(masked)
+        dead = masked.gather(-1, tokens[:, None]).squeeze(-1) == float("-inf")
     else:
+        masked, dead = mask_logits(logits, bitmask)
         u = uniform(sampling.seed, STREAM_EMIT, torch.zeros(1, dtype=torch.int64, device=logits.device))
         tokens = sample_from_weights(target_probs(masked, sampling), u.squeeze(-1))
     return tokens.masked_fill(dead, PLACEHOLDER_TOKEN_ID)
