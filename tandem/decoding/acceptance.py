@@ -132,7 +132,7 @@ def accept(
     if backend == "triton" or (backend == "auto" and target_logits.is_cuda and _triton_available()):
         return _accept_with_kernels(target_logits, draft_tokens, draft_probs, sampling, bitmask, in_thinking, relaxed)
     greedy = sampling is None or sampling.all_greedy
-    if backend == "auto" and greedy and not target_logits.is_cuda and (relaxed is None or in_thinking is None):
+    if backend == "auto" and greedy and target_logits.is_cpu and (relaxed is None or in_thinking is None):
         return _accept_greedy_host(target_logits, draft_tokens, bitmask)
     return _accept_torch(target_logits, draft_tokens, draft_probs, sampling, bitmask, in_thinking, relaxed)
 
