@@ -48,9 +48,9 @@ from tandem.core.rng import STREAM_ACCEPT, STREAM_EMIT, uniform
 from tandem.decoding.params import RelaxedAcceptance, SamplingTensors
 from tandem.decoding.sampling import (
     PLACEHOLDER_TOKEN_ID,
-    apply_mask,
     argmax,
     check_sampling,
+    greedy_tokens,
     mask_logits,
     sample_from_weights,
     target_probs,
@@ -251,9 +251,7 @@ def _accept_greedy_host(
     once: the same result. A draft equal to its position's masked argmax at a live position is a real token the
     mask allows, so that comparison alone is the rule's eligibility and acceptance."""
     k = target_logits.shape[1] - 1
-    masked = apply_mask(target_logits, bitmask)
-    top = argmax(masked)  # [B, k+1]
-    dead = masked.gather(-1, top.unsqueeze(-1)).squeeze(-1) == float("-inf")  # the maximum is -inf: none allowed
+    top, dead = greedy_tokens(target_logits, bitmask)  # [B, k+1] each
     rows = []
     for best, ended, drafts in zip(top.tolist(), dead.tolist(), draft_tokens.tolist()):
         n = 0

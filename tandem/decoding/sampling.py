@@ -67,6 +67,14 @@ def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tens
     return torch.where(unpack_bitmask(bitmask, logits.shape[-1]), logits.float(), float("-inf"))
 
 
+def greedy_tokens(logits: torch.Tensor, bitmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's masked argmax ``[...]`` int64 of ``logits [..., V]`` under ``bitmask [..., W]`` (None: all
+    allowed), and ``[...]`` bool whether the row allows nothing (its maximum is -inf)."""
+    masked = apply_mask(logits, bitmask)
+    tokens = argmax(masked)
+    return tokens, masked.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) == float("-inf")
+
+
 def target_probs(masked: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     """The target distribution p of each row (module docstring), from masked logits.
 
@@ -190,10 +198,8 @@ def sample(
     if bitmask is not None:
         check_tensor("bitmask", bitmask, (batch, bitmask_width(vocab_size)), (torch.int32,), logits.device)
     check_sampling(sampling, batch, logits.device)
-    if sampling is None or sampling.all_greedy:  # the masked argmax; a row whose maximum is -inf allows nothing
-        masked = apply_mask(logits, bitmask)
-        tokens = argmax(masked)
-        dead = masked.gather(-1, tokens[:, None]).squeeze(-1) == float("-inf")
+    if sampling is None or sampling.all_greedy:
+        tokens, dead = greedy_tokens(logits, bitmask)
     else:
         masked, dead = mask_logits(logits, bitmask)
         u = uniform(sampling.seed, STREAM_EMIT, torch.zeros(1, dtype=torch.int64, device=logits.device))
