@@ -32,7 +32,8 @@ The whole batch is processed with tensor ops (no Python loop over rows or positi
 batches of greedy, stochastic, relaxed, masked and unmasked rows go through one call. One exception, on the
 CPU: a batch of greedy rows without relaxed positions reads its masked argmaxes to the host and walks each
 row's positions there (`_accept_greedy_host`); with no device to keep the work on, the tensor path's dozen
-batch-wide ops cost more in dispatch than the walk of a few positions per row.
+batch-wide ops cost more in dispatch than the walk of a few positions per row. `accept_argmax` walks the same
+rule from argmaxes already chosen (graph mode chooses them inside the target's graph), on any device.
 """
 
 from __future__ import annotations
@@ -247,20 +248,40 @@ def _accept_torch(
 def _accept_greedy_host(
     target_logits: torch.Tensor, draft_tokens: torch.Tensor, bitmask: torch.Tensor | None
 ) -> AcceptanceResult:
-    """`_accept_torch`'s greedy rule with each row's positions walked on the host, from its masked argmaxes read
-    once: the same result. A draft equal to its position's masked argmax at a live position is a real token the
-    mask allows, so that comparison alone is the rule's eligibility and acceptance."""
-    k = target_logits.shape[1] - 1
-    top, dead = greedy_tokens(target_logits, bitmask)  # [B, k+1] each
+    """`_accept_torch`'s greedy rule with each row's positions walked on the host, from its masked argmaxes: the same
+    result. A draft equal to its position's masked argmax at a live position is a real token the mask allows, so that
+    comparison alone is the rule's eligibility and acceptance."""
+    best, dead = greedy_tokens(target_logits, bitmask)  # [B, k+1] each
+    return _walk_greedy(best, draft_tokens, dead)
+
+
+def accept_argmax(best: torch.Tensor, draft_tokens: torch.Tensor) -> AcceptanceResult:
+    """`accept`'s greedy rule for positions without a mask, relaxed rule or adjusted logits whose argmaxes are
+    known already (graph mode chooses them in the target's graph, `TargetOutput.greedy`): each row's drafts walked
+    on the host, after one read of the device. No position is a dead end.
+
+    best:         [B, k+1] int64, each position's argmax (below the vocabulary's real ids)
+    draft_tokens: [B, k] int64
+    """
+    return _walk_greedy(best, draft_tokens, None)
+
+
+def _walk_greedy(best: torch.Tensor, draft_tokens: torch.Tensor, dead: torch.Tensor | None) -> AcceptanceResult:
+    """Each row's accepted prefix of ``draft_tokens [B, k]`` (equal to ``best [B, k+1]``'s argmaxes at live positions;
+    ``dead [B, k+1]`` bool or None: none dead), read in one copy and walked on the host; the result's tensors are the
+    host's."""
+    k = best.shape[1] - 1
+    columns = [best, draft_tokens] if dead is None else [best, draft_tokens, dead.long()]
     rows = []
-    for best, ended, drafts in zip(top.tolist(), dead.tolist(), draft_tokens.tolist()):
+    for row in torch.cat(columns, dim=1).tolist():
+        top, drafts, ended = row[: k + 1], row[k + 1 : 2 * k + 1], row[2 * k + 1 :] or [0] * (k + 1)
         n = 0
-        while n < k and not ended[n] and drafts[n] == best[n]:
+        while n < k and not ended[n] and drafts[n] == top[n]:
             n += 1
-        rows.append((drafts[:n] if ended[n] else [*drafts[:n], best[n]], n, ended[n]))
+        rows.append((drafts[:n] if ended[n] else [*drafts[:n], top[n]], n, bool(ended[n])))
     tokens = [[*emitted, *[PLACEHOLDER_TOKEN_ID] * (k + 1 - len(emitted))] for emitted, _, _ in rows]
     return AcceptanceResult(
-        num_accepted=torch.tensor([n for _, n, _ in rows]),
+        num_accepted=torch.tensor([n for _, n, _ in rows], dtype=torch.int64),
         tokens=torch.tensor(tokens, dtype=torch.int64).view(len(rows), k + 1),
         dead_end=torch.tensor([ended for _, _, ended in rows], dtype=torch.bool),
         host=rows,

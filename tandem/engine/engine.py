@@ -83,7 +83,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core.transfer import int64_tensor
-from tandem.decoding.acceptance import AcceptanceResult, accept
+from tandem.decoding.acceptance import AcceptanceResult, accept, accept_argmax
 from tandem.decoding.logprobs import TokenLogprob, logprob_tensors, token_logprobs
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams, SamplingTensors
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID, forbid_ids_from, sample
@@ -220,6 +220,7 @@ class Engine:
                 widths=widths,
                 capture_sizes=capture_sizes,
                 max_chain=self.k,
+                vocab_limit=self.vocab_limit,
             )
             # Over several ranks graphs build on first use: the ranks build theirs as they follow the driver's steps.
             at_start = self.device.type == "cuda" if config.capture_at_start is None else config.capture_at_start
@@ -519,8 +520,10 @@ class Engine:
         out = self._forward(batch, **self._hidden_outputs)
         if full:
             logits = out.logits.view(len(rows), k + 1, -1)
+            greedy = None if out.greedy is None or inputs.adjustments is not None else out.greedy.view(len(rows), k + 1)
             if chunked:
                 logits = logits[inputs.verified]
+                greedy = None if greedy is None else greedy[inputs.verified]
             logits = self._mask_padding(logits)
             drafts = inputs.drafts
             scores = logits if inputs.adjustments is None else inputs.adjustments.apply(logits, drafts)
@@ -528,7 +531,7 @@ class Engine:
             if k < self.k:  # masks are built for k drafts; this step verifies fewer
                 bitmask = None if bitmask is None else bitmask[:, : k + 1]
                 in_thinking = None if in_thinking is None else in_thinking[:, : k + 1]
-            result = self._accept(full, scores, drafts, bitmask, in_thinking, inputs.sampling)
+            result = self._accept(full, scores, drafts, bitmask, in_thinking, inputs.sampling, greedy)
 
             def logprobs_of(b: int, emitted: list[int]) -> list[TokenLogprob]:  # from the positions that emitted them
                 return token_logprobs(logits[b, : len(emitted)], emitted, full[b].params.logprobs)
@@ -600,9 +603,10 @@ class Engine:
         deltas = [] if previous is None else self._commit_in_flight(previous, continuing=True)
         bitmask = self._next_masks(rows)
         adjustments = sampling.adjustments(rows, self.target.vocab_size, self.device)
+        greedy = None if out.greedy is None or adjustments is not None else out.greedy.view(len(rows), 1)
         with torch_threads(threads):
             scores = logits if adjustments is None else adjustments.apply(logits, inputs.drafts)
-            result = self._accept(rows, scores, inputs.drafts, bitmask, None, inputs.sampling)
+            result = self._accept(rows, scores, inputs.drafts, bitmask, None, inputs.sampling, greedy)
             tokens = result.tokens[:, 0]
             num_top = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
             logprobs = () if num_top is None else logprob_tensors(logits[:, 0], tokens, num_top)
@@ -670,10 +674,16 @@ class Engine:
         bitmask: torch.Tensor | None,
         in_thinking: torch.Tensor | None,
         settings: SamplingTensors | None,
+        greedy: torch.Tensor | None = None,
     ) -> AcceptanceResult:
         """Step 4 over the adjusted logits `scores` [B, k+1, V], the drafts [B, k] and the rows' sampling `settings`
-        (staged with the verify batch: `VerifyInputs.sampling`) on the device."""
+        (staged with the verify batch: `VerifyInputs.sampling`) on the device. `greedy` [B, k+1]: the argmaxes of
+        unadjusted logits where the forward chose them (`TargetOutput.greedy`), which decide a greedy step without
+        masks or relaxed positions: no kernel of its own then."""
         k = scores.shape[1] - 1
+        relaxed = self.config.relaxed is not None and in_thinking is not None
+        if greedy is not None and settings is None and bitmask is None and not relaxed:
+            return AcceptanceResult.without_drafts(greedy[:, 0]) if k == 0 else accept_argmax(greedy, drafts)
         if k == 0:  # the plain path: `sample` is `accept` without drafts, minus the verification work
             return AcceptanceResult.without_drafts(
                 sample(scores[:, 0], settings, None if bitmask is None else bitmask[:, 0])

@@ -18,7 +18,9 @@ tokens write the scratch block, so they never touch a real row's cache.
 A chained draft's greedy proposal for rows without constraint or adjustments is one graph of all its steps
 (``draft_chain``, keyed by bucket, width and length): each step's head and argmax feed the next inside it, so the
 host launches one replay per proposal instead of a replay per step and the head and argmax between them. The
-steps after the first read plans of one token per row (``chain_plan``), staged with the first's.
+steps after the first read plans of one token per row (``chain_plan``), staged with the first's. The target's
+graph returns its greedy tokens besides its logits (the argmax below ``vocab_limit``, `TargetOutput.greedy`), so a
+step of free greedy rows launches no sampling kernel after the replay.
 
 Over several ranks each rank runs its own runner, over the shapes the driver's runs (every rank sees the same
 spans, so they build and replay the same graphs at the same steps and meet in the collectives inside them).
@@ -120,6 +122,7 @@ class GraphRunner:
         widths: Sequence[int],
         capture_sizes: Sequence[int],
         max_chain: int = 1,
+        vocab_limit: int | None = None,
         backend: str | None = None,
     ):
         if not hasattr(target, "forward_layout"):
@@ -152,6 +155,7 @@ class GraphRunner:
         # DraftInput.chain: a whole proposal in one graph (not over ranks: theirs follow the driver pass by pass)
         self.draft_chain = self._draft_chain if chained and not self.data_parallel else None
         self.max_chain = max_chain  # the longest proposal, in steps
+        self.vocab_limit = vocab_limit  # the target's graphs choose its greedy tokens below it (None: every id)
         self.longest_chains = self.cuda  # every chain as long as the longest proposal (`_chain`)
         dtype = target_cache.layers[0].dtype  # the target's: its hidden states fill the draft's input buffer
         self.hidden = torch.zeros(tokens, target.hidden_size, dtype=dtype, device=self.device) if chained else None
@@ -185,7 +189,7 @@ class GraphRunner:
         grid = self._load(batch, shape, cache.first_position)
         key = ("target", *shape, return_hidden, return_aux)
         body = self._target_body(return_hidden, return_aux)
-        logits, hidden, aux = self._run(key, body, batch.spans, shape, cache, ())
+        logits, greedy, hidden, aux = self._run(key, body, batch.spans, shape, cache, ())
         index = batch.logits_indices
         if grid is not None:
             index = grid if index is None else grid[index]
@@ -193,6 +197,7 @@ class GraphRunner:
             logits=logits if index is None else logits[index],
             hidden=None if hidden is None else _rows(hidden, grid),
             aux_hidden=None if aux is None else _rows(aux, grid),
+            greedy=greedy if index is None else greedy[index],
         )
 
     def _draft_step(self, batch: ForwardBatch, hidden: Tensor, cache: KVCache) -> Tensor:
@@ -391,15 +396,18 @@ class GraphRunner:
 
     # ---------------------------------------------------------------- graphs
     def _target_body(self, return_hidden: bool, return_aux: bool) -> Callable:
-        target = self.target
+        target, vocab_limit = self.target, self.vocab_limit
 
         def body(input_ids, positions, write_index, slots, tables, layers, key_start: int, block_size: int):
+            """The forward's outputs, and its greedy tokens inside the graph: a greedy step without masks or
+            adjustments then launches no sampling kernel of its own (`TargetOutput.greedy`)."""
             layout = RaggedLayout.static(positions, write_index, tables.index_select(0, slots), key_start, block_size)
             owned = self._owned(slots, positions.shape[1])
             out = target.forward_layout(
                 layout, input_ids, positions.flatten(), layers, None, return_hidden, return_aux, **owned
             )
-            return out.logits, out.hidden, out.aux_hidden
+            greedy = forbid_ids_from(out.logits, vocab_limit).argmax(dim=-1)  # the lowest id among ties, as `argmax`
+            return out.logits, greedy, out.hidden, out.aux_hidden
 
         return body
 

@@ -340,6 +340,8 @@ class TargetOutput:
     logits: Tensor  # [N, V] float32: logits at batch.logits_indices (all T tokens when None)
     hidden: Tensor | None = None  # [T, H]: last layer AFTER the final norm (EAGLE-1, MTP)
     aux_hidden: Tensor | None = None  # [T, len(aux_layer_ids) * H]: concat of the captured layer inputs (EAGLE-3)
+    # [N] int64: each logits row's argmax below the tokenizer's ids, where the forward chose it (a graph's), else None
+    greedy: Tensor | None = None
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:

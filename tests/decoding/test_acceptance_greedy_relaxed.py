@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from tandem.core.bitmask import pack_bitmask
 from tandem.core.rng import STREAM_ACCEPT, uniform
 from tandem.decoding import RelaxedAcceptance, SamplingTensors, accept
+from tandem.decoding.acceptance import accept_argmax
 
 from .reference import reference_greedy, reference_probs, reference_relaxed_ok
 from .strategies import random_allowed
@@ -103,6 +104,25 @@ def test_the_host_walk_decides_a_greedy_cpu_batch_as_the_tensor_path_does(case, 
     assert torch.equal(host.tokens, tensors.tokens)
     assert torch.equal(host.dead_end, tensors.dead_end)
     assert host.to_host() == tensors.to_host()
+
+
+@given(greedy_batch(), st.data())
+@settings(max_examples=200)
+def test_accepting_from_known_argmaxes_decides_an_unmasked_greedy_batch_as_the_tensor_path(case, data):
+    """`accept_argmax` (graph mode's argmaxes, chosen with the forward) gives `accept`'s result for unmasked greedy
+    logits: ties (the lowest id), padded and out-of-vocabulary drafts included."""
+    logits, drafts, _ = case
+    batch, k = drafts.shape
+    outside = st.sampled_from([-1, logits.shape[-1], logits.shape[-1] + 5])
+    for b, j in data.draw(st.sets(st.tuples(st.integers(0, batch - 1), st.integers(0, max(k - 1, 0))))):
+        if k:
+            drafts[b, j] = data.draw(outside)
+    known = accept_argmax(logits.argmax(dim=-1), drafts)
+    tensors = accept(logits, drafts, backend="torch")
+    assert torch.equal(known.num_accepted, tensors.num_accepted)
+    assert torch.equal(known.tokens, tensors.tokens)
+    assert not known.dead_end.any() and not tensors.dead_end.any()
+    assert known.to_host() == tensors.to_host()
 
 
 def test_a_stochastic_or_relaxed_batch_keeps_the_tensor_path():

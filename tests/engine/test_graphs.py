@@ -22,6 +22,7 @@ import torch
 
 from tandem.decoding.params import SamplingParams
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
+from tandem.engine import engine as engine_module
 from tandem.engine.engine import Engine, EngineConfig
 from tandem.engine.graphs import GraphRunner
 from tandem.llm import chat_prompt_ids
@@ -72,6 +73,36 @@ def test_speculative_greedy_equals_plain_greedy_compiled(models, name, draft, sc
         assert engine.runner.replays > 0 and engine.runner.fallbacks >= 1
     # A proposal runs as one graph, a grammar row's too (the walk follows its tokens after).
     assert any(key[0] == "chain" for key in speculative.runner._graphs)
+
+
+def _recorded(function, record: list):
+    """``function``, appending each call's result to ``record``."""
+
+    def run(*args, **kwargs):
+        record.append(function(*args, **kwargs))
+        return record[-1]
+
+    return run
+
+
+@pytest.mark.parametrize("draft", ["eagle3", None])
+def test_a_free_greedy_step_takes_its_graphs_argmaxes(models, monkeypatch, draft):
+    """The target's graph chooses its greedy tokens with the forward (`TargetOutput.greedy`): a step of greedy rows
+    without masks or penalties that ran a graph calls neither `sample` nor `accept` (prefills, which run eagerly, do),
+    and gives eager's tokens. Rows with penalties adjust the logits first, so each of their steps calls one."""
+    decided = []  # the results of every `sample` and `accept` the engine calls
+    for name in ("sample", "accept"):
+        monkeypatch.setattr(engine_module, name, _recorded(getattr(engine_module, name), decided))
+    for penalty in (0.0, 0.5):
+        params = [SamplingParams(max_tokens=MAX_TOKENS, presence_penalty=penalty) for _ in EXAMPLES]
+        engine = _engine(models, "demo-llama", draft, adaptive=False)
+        forwards = []  # the target's outputs
+        monkeypatch.setattr(engine.runner, "forward", _recorded(engine.runner.forward, forwards))
+        decided.clear()
+        tokens = _generate(engine, params)
+        chose = sum(out.greedy is not None for out in forwards)  # the forwards that ran a graph
+        assert chose > 0 and len(decided) == (len(forwards) - chose if penalty == 0 else len(forwards))
+        assert tokens == _generate(_engine(models, "demo-llama", draft, graph_mode="eager", adaptive=False), params)
 
 
 def test_a_batch_changing_bucket_stays_correct(models):
@@ -160,6 +191,8 @@ def test_a_chain_never_proposes_past_the_vocabulary_limit(models):
     for mode in ("compiled", "eager"):
         engine = _engine(models, "demo-llama", "eagle3", graph_mode=mode, adaptive=False)
         engine.vocab_limit = limit
+        if engine.runner is not None:  # its target graphs choose greedy tokens below the limit (none is built yet)
+            engine.runner.vocab_limit = limit
         run_draft = engine._run_draft
 
         def recorded(inp, num_tokens, run_draft=run_draft):
