@@ -184,7 +184,8 @@ def _bench_model(model: str, args: argparse.Namespace, bar: tqdm) -> dict:
                             key = draft or "none", k, relaxed is not None, constrained, batch, mode
                             cases[key] = run, groups[batch]
     for mode, extra in _transformers_modes(args):
-        run = functools.partial(_measure_transformers, path, next(llm.target.parameters()), tokenizer, prompts, extra)
+        like = torch.empty(0, dtype=llm.target.dtype, device=llm.engine.device)
+        run = functools.partial(_measure_transformers, path, like, tokenizer, prompts, extra)
         cases["transformers", mode] = run, [[i] for i in range(len(prompts))]
     rounds = _interleaved_rounds(cases, args, model, bar)
 
@@ -378,7 +379,7 @@ def _measure_transformers(
     path, like: torch.Tensor, tokenizer, prompts: list[list[int]], extra: dict, group: list[int], max_tokens: int
 ) -> dict:
     """transformers' generate on the same weights, on the device and in the dtype of tensor `like`
-    (a tandem weight), one prompt of `group` at a time; time and count."""
+    (tandem's target's), one prompt of `group` at a time; time and count."""
     model = _transformers_model(path, like.device, like.dtype)
     generated, start = 0, time.perf_counter()
     for i in group:

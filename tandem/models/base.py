@@ -359,6 +359,7 @@ class Target(Protocol):
     vocab_size: int
     hidden_size: int
     num_layers: int
+    dtype: torch.dtype  # of its activations and cache (its matmul weights may be stored narrower)
     aux_layer_ids: tuple[int, ...]  # settable: a draft's eagle_aux_hidden_state_layer_ids override the default
 
     def new_cache(self, num_slots: int, max_len: int, *, table: BlockTable | None = None) -> KVCache:

@@ -292,9 +292,10 @@ class DeepseekV3(nn.Module):
         factory = {"dtype": dtype, "device": device}
         self.config, self.checkpoint_dir, self.shard = config, None, shard
         self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
+        self.dtype = dtype or torch.get_default_dtype()
         self.num_layers = config.num_hidden_layers
         self.aux_layer_ids = tuple(aux_layer_ids or default_aux_layer_ids(self.num_layers))
-        self.rope = RotaryEmbedding(config.rope, config.qk_rope_head_dim, dtype or torch.get_default_dtype())
+        self.rope = RotaryEmbedding(config.rope, config.qk_rope_head_dim, self.dtype)
         self.embed_tokens = nn.Embedding(self.vocab_size, self.hidden_size, **factory)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, self.rope.softmax_scale_factor, shard=shard, **factory)

@@ -16,12 +16,14 @@ tensor (``checkpoint_parts``, :class:`~tandem.models.loading.Part`), the only by
 
 Weights stored narrower (the CPU fast path): :func:`narrow_exact_weights` keeps in bfloat16 every
 matmul weight that bfloat16 holds exactly (all of a bfloat16 checkpoint's, in a float32 model), and
-:func:`linear` widens them per call. A module lists the parameters it reads only through
-:func:`linear` in its ``narrowable`` attribute; others (MLA's ``kv_b_proj``, read by ``bmm``) stay
-wide. Reason: a decode step reads every weight once, and on the CPU a small model waits on the
-caches to deliver them; half the bytes fit the last-level cache. For a few float32 rows,
+:func:`linear` widens them per call. A module lists the parameters it reads through :func:`linear` in its
+``narrowable`` attribute (a tied embedding too, whose lookups widen their rows); others (MLA's ``kv_b_proj``,
+read by ``bmm``) stay wide. Reason: a decode step reads every weight once, and on the CPU a small model waits on
+the caches to deliver them; half the bytes fit the last-level cache. For a few float32 rows,
 :func:`linear` calls the C kernel of :mod:`tandem.kernels.cpu_linear`, which widens the weight in
-registers instead of into a copy; narrowed matrices are stored transposed, the layout it reads.
+registers instead of into a copy; narrowed matrices are stored transposed, the layout it reads. Without the
+kernel a matrix past :data:`WIDEN_MAX_ELEMENTS` stays wide: its per-call widened copy would cost more than the
+bytes it saves.
 
 Invariant: the float32 model's very weights, so its results up to the order in which sums are
 taken (sgemm's order depends on the weight's layout and the number of rows, the C kernel's is its
@@ -40,6 +42,10 @@ from tandem.kernels import cpu_linear
 from tandem.models.layers import Layer
 from tandem.models.loading import Part
 from tandem.models.parallel import SINGLE, Shard
+
+# Without the C kernel `linear` widens a narrowed weight into a fresh copy at every call. Past 32 MB of float32 (glibc
+# maps each such allocation anew) the copy costs more than the halved bytes save: README, "fast paths".
+WIDEN_MAX_ELEMENTS = 8 * 2**20
 
 
 def widened(weight: Tensor, like: Tensor) -> Tensor:
@@ -149,16 +155,20 @@ class RowParallelLinear(Linear):
 @torch.no_grad()
 def narrow_exact_weights(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
     """Store in ``dtype`` every parameter that a submodule lists in its ``narrowable`` attribute and
-    that ``dtype`` holds exactly; the others keep theirs. Returns how many were narrowed.
+    that ``dtype`` holds exactly (without the C kernel, of at most :data:`WIDEN_MAX_ELEMENTS` elements); the
+    others keep theirs. Returns how many were narrowed.
 
     Exact: :func:`linear` widens the weights per call. A narrowed matrix ``[out, in]`` is stored
     transposed (``weight.T`` contiguous), the layout :mod:`tandem.kernels.cpu_linear` reads (blocks
     of its rows too); ``F.linear`` and views that split its axes take it as it is.
     """
     narrowed = 0
+    limit = None if cpu_linear.available() else WIDEN_MAX_ELEMENTS
     for child in module.modules():
         for name in getattr(child, "narrowable", ()):
             param = getattr(child, name)
+            if limit is not None and param.numel() > limit:
+                continue
             narrow = param.to(dtype)
             if param.dtype != dtype and torch.equal(narrow.to(param.dtype), param):
                 narrow = narrow.T.contiguous().T

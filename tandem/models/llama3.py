@@ -97,7 +97,9 @@ class _Body(nn.Module):
 
     def __init__(self, config: LlamaConfig, shard: Shard, **factory):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard=shard, **factory)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, shard=shard, tied=config.tie_word_embeddings, **factory
+        )
         layers = (DecoderLayer(config, shard=shard, **factory) for _ in range(config.num_hidden_layers))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
@@ -122,7 +124,7 @@ class Llama3(nn.Module):
         check_shard(config, shard)
         self.config, self.shard = config, shard
         self.checkpoint_dir: Path | None = None
-        self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
+        self.vocab_size, self.hidden_size, self.dtype = config.vocab_size, config.hidden_size, dtype
         self.num_layers = config.num_hidden_layers
         self.aux_layer_ids = default_aux_layer_ids(self.num_layers)
         factory = {"dtype": dtype, "device": device}
@@ -143,9 +145,9 @@ class Llama3(nn.Module):
     def new_cache(self, num_slots: int, max_len: int, *, table: BlockTable | None = None) -> KVCache:
         """``num_layers`` pools ``[num_blocks, block_size, 2, num_key_value_heads, head_dim]`` over ``table``."""
         entry = kv_entry_shape(self.model.layers[0].self_attn)
-        param = self.model.embed_tokens.weight
+        device = self.model.embed_tokens.weight.device
         return KVCache.allocate(
-            self.num_layers, num_slots, max_len, entry, dtype=param.dtype, device=param.device, table=table
+            self.num_layers, num_slots, max_len, entry, dtype=self.dtype, device=device, table=table
         )
 
     def embed(self, ids: Tensor) -> Tensor:

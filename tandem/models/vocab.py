@@ -27,16 +27,23 @@ class VocabParallelEmbedding(Layer):
     """Token embeddings ``ids: [T] int64 -> [T, H]``, this rank computing the rows of its ids.
 
     ``weight``: ``[V, H]`` on rank 0, ``[V / size, H]`` (the rank's ids) elsewhere; ValueError naming the
-    vocabulary when the size does not divide it.
+    vocabulary when the size does not divide it. ``tied``: the matrix is the LM head too (:meth:`logits`), read
+    by :func:`~tandem.models.linear.linear`, so it may be stored narrower like a head's: its rows are widened to
+    ``dtype`` as they are looked up.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, shard: Shard = SINGLE, **factory):
+    narrowable: tuple[str, ...] = ()
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, shard: Shard = SINGLE, tied: bool = False, **factory):
         super().__init__()
         self.shard = shard
         self.start, self.count = shard.part(vocab_size, "vocabulary")
         whole = shard.rank == 0
         self.weight = nn.Parameter(torch.empty(vocab_size if whole else self.count, hidden_size, **factory))
+        self.dtype = self.weight.dtype  # of the rows it returns, however the weight is stored
         self.checkpoint_parts = {} if whole else {"weight": Part(0, shard.rank, shard.size)}
+        if tied:
+            self.narrowable = ("weight",)
 
     def rows(self) -> Tensor:
         """This rank's ``[V / size, H]`` rows (on rank 0 a view of the whole matrix, whose first rows they are)."""
@@ -44,10 +51,10 @@ class VocabParallelEmbedding(Layer):
 
     def forward(self, ids: Tensor) -> Tensor:
         if not self.shard.parallel:
-            return F.embedding(ids, self.weight)
+            return self.embed_whole(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.count)
-        rows = F.embedding(local.masked_fill(outside, 0), self.rows())
+        rows = F.embedding(local.masked_fill(outside, 0), self.rows()).to(self.dtype)
         return self.shard.all_reduce(rows.masked_fill(outside[:, None], 0))
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -58,7 +65,7 @@ class VocabParallelEmbedding(Layer):
 
     def embed_whole(self, ids: Tensor) -> Tensor:
         """:meth:`forward` over the whole matrix with no collective: rank 0 only (the drafts' ``embed``)."""
-        return F.embedding(ids, self.weight)
+        return F.embedding(ids, self.weight).to(self.dtype)
 
     def logits_whole(self, hidden: Tensor) -> Tensor:
         """:meth:`logits` over the whole matrix with no collective: rank 0 only (the drafts' ``lm_head``)."""

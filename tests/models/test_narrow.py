@@ -1,7 +1,8 @@
 """Matmul weights stored in bfloat16 and widened per call (`narrow_exact_weights`): the shipped demo
 checkpoints are bfloat16, so a float32 model narrowed from them computes the wide model's logits up
 to float32 summation order (sgemm's depends on the weight's layout) and the same drafts, through
-`F.linear` and through the CPU kernel; weights bfloat16 cannot hold exactly keep their dtype."""
+`F.linear` and through the CPU kernel; weights bfloat16 cannot hold exactly keep their dtype. A tied embedding is
+narrowed too (its head), unless no kernel reads it and it is too large to widen per call."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from tandem.assets import ASSETS_DIR
 from tandem.kernels import cpu_linear
 from tandem.llm import LLM
 from tandem.models import ForwardBatch, load_draft, load_target
+from tandem.models import linear as linear_module
 from tandem.models.base import DraftInput
+from tandem.models.config import LlamaConfig
 from tandem.models.deepseek_v3 import MultiHeadLatentAttention
 from tandem.models.linear import Linear, MergedLinear, narrow_exact_weights
+from tandem.models.llama3 import Llama3
 from tandem.models.moe import RoutedExperts
 from tandem.models.norm import RMSNorm
 
@@ -105,3 +109,57 @@ def test_llm_narrows_a_float32_model_on_the_cpu_only():
     assert set(narrowable_dtypes(llm.draft).values()) == {torch.bfloat16}
     bf16 = LLM("demo-llama", device="cpu", dtype=torch.bfloat16)  # nothing narrower to keep
     assert set(narrowable_dtypes(bf16.target).values()) == {torch.bfloat16}
+
+
+TIED = {  # a tiny Llama whose head is its embedding matrix (SmolLM2, Llama 3.2 1B/3B)
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "tie_word_embeddings": True,
+}
+
+
+def _tied_llama() -> Llama3:
+    """``TIED`` in float32 with bfloat16-exact random weights, as a bfloat16 checkpoint loads."""
+    model = Llama3(LlamaConfig.from_dict(TIED), dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())).bfloat16())
+    return model.eval()
+
+
+@pytest.mark.skipif(not cpu_linear.available(), reason="the CPU kernel is not built or needs AVX-512")
+@torch.inference_mode()
+def test_a_tied_embedding_is_narrowed_and_still_looks_up_float32_rows():
+    """The matrix is the head too: narrowed, the head runs through the kernel (the wide model's logits up to
+    summation order) and lookups widen their rows exactly; the cache keeps the model's dtype."""
+    model, wide = _tied_llama(), _tied_llama()
+    narrow_exact_weights(model)
+    embedding = model.model.embed_tokens
+    assert embedding.weight.dtype == torch.bfloat16 and embedding.weight.stride() == (1, TIED["vocab_size"])
+    ids = torch.tensor([0, 7, 255, 7])
+    assert torch.equal(model.embed(ids), wide.embed(ids)) and model.embed(ids).dtype == torch.float32
+    assert model.new_cache(1, 8).layers[0].dtype == torch.float32
+    rows = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    outs = [m.forward(ForwardBatch.from_rows(rows, [0, 0], [0, 1]), m.new_cache(2, 8)) for m in (model, wide)]
+    torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_without_the_kernel_a_matrix_too_large_to_widen_per_call_stays_float32(monkeypatch):
+    """`linear` would widen it into a fresh copy at every call (README: 2-10x a float32 matmul from 16M elements):
+    past WIDEN_MAX_ELEMENTS a weight keeps its dtype, smaller ones are narrowed; with the kernel all are."""
+    monkeypatch.setattr(cpu_linear, "_AVAILABLE", False)
+    monkeypatch.setattr(linear_module, "WIDEN_MAX_ELEMENTS", TIED["vocab_size"] * TIED["hidden_size"] - 1)
+    model = _tied_llama()
+    narrow_exact_weights(model)
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    dtypes = narrowable_dtypes(model)
+    assert dtypes.pop("VocabParallelEmbedding.weight") == torch.float32 and set(dtypes.values()) == {torch.bfloat16}
+    monkeypatch.setattr(cpu_linear, "_AVAILABLE", True)
+    narrow_exact_weights(model)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
