@@ -7,6 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 
+TINY_TIED_LLAMA = {  # a Llama config whose head is its embedding matrix, biases in attention and MLP
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "tie_word_embeddings": True,
+    "attention_bias": True,
+    "mlp_bias": True,
+}
+
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 10000.0,

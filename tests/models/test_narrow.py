@@ -23,6 +23,7 @@ from tandem.models.linear import Linear, MergedLinear, narrow_exact_weights
 from tandem.models.llama3 import Llama3
 from tandem.models.moe import RoutedExperts
 from tandem.models.norm import RMSNorm
+from tests.models.conftest import TINY_TIED_LLAMA
 
 PAIRS = [
     ("demo-llama", ASSETS_DIR / "demo-llama-eagle3"),
@@ -111,21 +112,9 @@ def test_llm_narrows_a_float32_model_on_the_cpu_only():
     assert set(narrowable_dtypes(bf16.target).values()) == {torch.bfloat16}
 
 
-TIED = {  # a tiny Llama whose head is its embedding matrix (SmolLM2, Llama 3.2 1B/3B)
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "tie_word_embeddings": True,
-}
-
-
 def _tied_llama() -> Llama3:
-    """``TIED`` in float32 with bfloat16-exact random weights, as a bfloat16 checkpoint loads."""
-    model = Llama3(LlamaConfig.from_dict(TIED), dtype=torch.float32, device="cpu")
+    """``TINY_TIED_LLAMA`` in float32 with bfloat16-exact random weights, as a bfloat16 checkpoint loads."""
+    model = Llama3(LlamaConfig.from_dict(TINY_TIED_LLAMA), dtype=torch.float32, device="cpu")
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())).bfloat16())
@@ -140,7 +129,7 @@ def test_a_tied_embedding_is_narrowed_and_still_looks_up_float32_rows():
     model, wide = _tied_llama(), _tied_llama()
     narrow_exact_weights(model)
     embedding = model.model.embed_tokens
-    assert embedding.weight.dtype == torch.bfloat16 and embedding.weight.stride() == (1, TIED["vocab_size"])
+    assert embedding.weight.dtype == torch.bfloat16 and embedding.weight.stride() == (1, TINY_TIED_LLAMA["vocab_size"])
     ids = torch.tensor([0, 7, 255, 7])
     assert torch.equal(model.embed(ids), wide.embed(ids)) and model.embed(ids).dtype == torch.float32
     assert model.new_cache(1, 8).layers[0].dtype == torch.float32
@@ -154,7 +143,9 @@ def test_without_the_kernel_a_matrix_too_large_to_widen_per_call_stays_float32(m
     """`linear` would widen it into a fresh copy at every call (README: 2-10x a float32 matmul from 16M elements):
     past WIDEN_MAX_ELEMENTS a weight keeps its dtype, smaller ones are narrowed; with the kernel all are."""
     monkeypatch.setattr(cpu_linear, "_AVAILABLE", False)
-    monkeypatch.setattr(linear_module, "WIDEN_MAX_ELEMENTS", TIED["vocab_size"] * TIED["hidden_size"] - 1)
+    monkeypatch.setattr(
+        linear_module, "WIDEN_MAX_ELEMENTS", TINY_TIED_LLAMA["vocab_size"] * TINY_TIED_LLAMA["hidden_size"] - 1
+    )
     model = _tied_llama()
     narrow_exact_weights(model)
     assert model.model.embed_tokens.weight.dtype == torch.float32

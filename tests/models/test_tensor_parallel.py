@@ -36,6 +36,7 @@ from tandem.models.linear import narrow_exact_weights
 from tandem.models.llama3 import Llama3
 from tandem.models.loading import checkpoint_tensors, load_tokenizer, read_config
 from tandem.models.parallel import SINGLE, Shard, parameter_bytes
+from tests.models.conftest import TINY_TIED_LLAMA
 
 RANKS = 2
 ATOL, RTOL = 2e-4, 1e-4
@@ -47,18 +48,6 @@ TEXTS = [
 PREFILL = [11, 6, 8]  # ragged prefills
 VERIFY = [5, 5, 1]  # a verify step: two rows of t_last + 4 drafts, one decoding row
 ACCEPTED = [2, 4, 0]  # drafts kept after the first verify; the cache rolls back past the others
-TINY = {  # a tied head, biases in attention and MLP: the other paths of the layout
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "tie_word_embeddings": True,
-    "attention_bias": True,
-    "mlp_bias": True,
-}
 
 
 def plan(tokens: list[list[int]]) -> list[tuple[list[list[int]], list[int]]]:
@@ -137,8 +126,8 @@ def _free_port() -> int:
 
 
 def _tiny_checkpoint(path: Path) -> Path:
-    """A random tiny Llama with :data:`TINY`'s settings, saved under its published keys."""
-    config = {**read_config(ASSETS_DIR / "demo-llama"), **TINY}
+    """A random tiny Llama with :data:`TINY_TIED_LLAMA`'s settings, saved under its published keys."""
+    config = {**read_config(ASSETS_DIR / "demo-llama"), **TINY_TIED_LLAMA}
     model = Llama3(LlamaConfig.from_dict(config), dtype=torch.float32, device="cpu")
     generator = torch.Generator().manual_seed(0)
     tensors = {}
@@ -158,7 +147,7 @@ def parallel_run(tmp_path_factory):
     tokenizer = load_tokenizer(demo)
     demo_tokens = [tokenizer.encode(text) for text in TEXTS]
     generator = torch.Generator().manual_seed(1)
-    tiny_tokens = [torch.randint(TINY["vocab_size"], (40,), generator=generator).tolist() for _ in TEXTS]
+    tiny_tokens = [torch.randint(TINY_TIED_LLAMA["vocab_size"], (40,), generator=generator).tolist() for _ in TEXTS]
     models, steps = [demo, tiny], [plan(demo_tokens), plan(tiny_tokens)]
     out = tmp_path_factory.mktemp("ranks")
     mp.spawn(_rank, args=(_free_port(), models, steps, out), nprocs=RANKS, join=True)
@@ -241,7 +230,7 @@ def _sharded(key: str) -> bool:
 @pytest.mark.parametrize("name", ["demo-llama", "tiny"])
 def test_each_rank_holds_half_of_the_sharded_weights(name):
     """Built on the meta device: no process group, no collective at construction."""
-    config = LlamaConfig.from_dict(read_config(ASSETS_DIR / "demo-llama") | (TINY if name == "tiny" else {}))
+    config = LlamaConfig.from_dict(read_config(ASSETS_DIR / "demo-llama") | (TINY_TIED_LLAMA if name == "tiny" else {}))
     single = Llama3(config, dtype=torch.bfloat16, device="meta", shard=SINGLE)
     sharded, replicated = _bytes(single, _sharded), _bytes(single, REPLICATED.match)
     vocabulary = config.vocab_size * config.hidden_size * 2 * (1 if config.tie_word_embeddings else 2)
