@@ -406,8 +406,7 @@ class GraphRunner:
             out = target.forward_layout(
                 layout, input_ids, positions.flatten(), layers, None, return_hidden, return_aux, **owned
             )
-            greedy = forbid_ids_from(out.logits, vocab_limit).argmax(dim=-1)  # the lowest id among ties, as `argmax`
-            return out.logits, greedy, out.hidden, out.aux_hidden
+            return out.logits, _greedy(out.logits, vocab_limit), out.hidden, out.aux_hidden
 
         return body
 
@@ -424,9 +423,6 @@ class GraphRunner:
     def _chain_body(self, vocab_limit: int | None) -> Callable:
         draft = self.draft
 
-        def choose(h: Tensor) -> Tensor:  # the lowest id among ties, as the eager chain's
-            return forbid_ids_from(draft.target_logits(h), vocab_limit).argmax(dim=-1)
-
         def body(input_ids, positions, write_index, slots, tables, layers, key_start, block_size, hidden, chain_plan):
             """The first step over the grid ``[B_bucket, Q]``, each row's last token's output (its positions rise
             to the last real one: the first maximum), then a step per ``chain_plan`` row ``[B_bucket * 3]``."""
@@ -436,7 +432,7 @@ class GraphRunner:
             last = positions.argmax(dim=1) + torch.arange(rows, device=positions.device) * positions.shape[1]
             h, tokens = out[last], []
             for plan in [*chain_plan, None]:
-                tokens.append(choose(h))
+                tokens.append(_greedy(draft.target_logits(h), vocab_limit))
                 if plan is not None:
                     step_positions, step_writes, step_slots = plan.view(3, rows)
                     step_tables = tables.index_select(0, step_slots)
@@ -539,6 +535,12 @@ class GraphRunner:
             return out
 
         return replay, out
+
+
+def _greedy(logits: Tensor, vocab_limit: int | None) -> Tensor:
+    """``logits [N, V]``' greedy tokens ``[N]`` inside a graph: each row's argmax below ``vocab_limit`` (the ids from
+    there up set to -inf in place), the lowest id among ties as the eager paths' ``decoding.sampling.argmax``."""
+    return forbid_ids_from(logits, vocab_limit).argmax(dim=-1)
 
 
 def _rows(out: Tensor, grid: Tensor | None) -> Tensor:
