@@ -8,8 +8,9 @@ QKV, output, gate/up and down projections, then the LM head) runs on ``rows`` fl
   cycle through the caches as in a forward, so they come from the last-level cache or memory);
 - ``kernel_hot_us``: the same calls, each on the first weight of its shape, so a few weights that stay in the
   core's own caches: the kernel's arithmetic alone, what the cold run's memory traffic adds to;
-- ``f_linear_us``: ``F.linear`` on each weight widened to float32 per call, the path of a CPU without AVX-512
-  (and of a step past ``cpu_linear.MAX_ROWS`` rows).
+- ``f_linear_us``: ``F.linear`` on each weight widened to float32 per call, the path of a CPU with neither AVX-512
+  nor AVX2 (and of a step past ``cpu_linear.MAX_ROWS`` rows). ``kernel`` names the C build timed (the fastest this
+  CPU runs; ``TANDEM_CPU_LINEAR=avx2`` times the AVX2 build on an AVX-512 CPU).
 
 Then every RMSNorm of the forward on ``rows`` rows: ``norm_kernel_us`` through the C kernel
 (:mod:`tandem.kernels.cpu_norm`), ``norm_torch_us`` through torch's ops (the path without the kernel). And, for
@@ -159,7 +160,7 @@ def main() -> None:
     torch.manual_seed(0)
     report = {
         "machine": platform.processor() or platform.machine(),
-        "kernel": cpu_linear.available(),
+        "kernel": cpu_linear.ISA,  # the C linear's build (None: off or not built)
         "norm_kernel": cpu_norm.available(),
         "attention_kernel": cpu_attention.available(),
         "threads": 1,

@@ -6,15 +6,21 @@ and calling sgemm wrote and re-read it, and ran sgemm's small-M path, slower tha
 output is one multiply-add chain over the inputs in order, the same whatever the number of rows,
 so a row's result does not depend on the other rows of its batch.
 
+The C code has two builds of one blocking, AVX-512 and AVX2 + FMA (most laptops and older servers), whose sums are
+the same chains, so they give the same bits; :data:`ISA` is the one in use: the fastest this CPU runs, or the one
+``$TANDEM_CPU_LINEAR`` names (``avx512``, ``avx2``; ``off``: the torch path), as :func:`use` sets it.
+
 Under ``torch.compile`` the kernel is the custom op ``tandem::cpu_linear`` (a fake implementation
 gives its output's shape), which inductor calls as an opaque kernel; eager calls go to the C
 function directly, which spares each of a step's linears the op's dispatch.
 
 The extension is built at install when a C compiler is there (``pyproject.toml``); without it,
-or on a CPU without AVX-512, :func:`available` is False and the layers use ``F.linear``.
+or on a CPU with neither AVX-512 nor AVX2, :func:`available` is False and the layers use ``F.linear``.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -24,12 +30,37 @@ try:
 except ImportError:  # built without a C compiler
     _cpu_linear = None
 
-MAX_ROWS = 64  # batch 8 verifying k = 4 is 40 rows; up to 64 the kernel still beats widening + sgemm
-_AVAILABLE = _cpu_linear is not None and _cpu_linear.available()
+BUILDS = ("avx512", "avx2")  # the C code's builds, fastest first, by the index its `linear` takes
+# The most rows each build takes: up to these it beats widening + sgemm (batch 8 verifying k = 4 is 40 rows). AVX2's
+# blocks hold at most four rows in its 16 registers, so more rows re-read each weight more often than AVX-512's six.
+BUILD_MAX_ROWS = {"avx512": 64, "avx2": 16}
+RUNNABLE: tuple[str, ...] = () if _cpu_linear is None else tuple(_cpu_linear.isas())  # those this CPU runs
+ISA: str | None = None  # the build `linear` calls (None: the kernel is off)
+MAX_ROWS = 0  # the most rows `linear` takes: its build's BUILD_MAX_ROWS
+_AVAILABLE = False
+_BUILD = -1
+
+
+def use(isa: str) -> None:
+    """Make :func:`linear` call build ``isa`` ("avx512", "avx2"), or the fastest this CPU runs ("auto"), or none
+    ("off": the layers use ``F.linear``). ValueError naming what this CPU runs when it does not run ``isa``."""
+    global ISA, MAX_ROWS, _AVAILABLE, _BUILD
+    if isa not in ("auto", "off", *BUILDS):
+        raise ValueError(f"CPU linear build {isa!r}: choose auto, off, {', '.join(BUILDS)}")
+    if isa not in ("auto", "off") and isa not in RUNNABLE:
+        built = "this CPU runs " + (", ".join(RUNNABLE) or "none") if _cpu_linear is not None else "it is not built"
+        raise ValueError(f"CPU linear build {isa!r} is not available here: {built}")
+    ISA = None if isa == "off" else (RUNNABLE[0] if RUNNABLE else None) if isa == "auto" else isa
+    _AVAILABLE, _BUILD = ISA is not None, -1 if ISA is None else BUILDS.index(ISA)
+    MAX_ROWS = BUILD_MAX_ROWS.get(ISA, 0)
+
+
+use(os.environ.get("TANDEM_CPU_LINEAR", "auto"))
 
 
 def available() -> bool:
-    """True when the extension is built and this CPU runs it (x86-64 with AVX-512 F/BW/VL)."""
+    """True when :func:`linear` runs a C build here (the extension is built, this CPU runs AVX-512 or AVX2 + FMA,
+    and ``$TANDEM_CPU_LINEAR`` is not ``off``)."""
     return _AVAILABLE
 
 
@@ -82,6 +113,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         size,
         outputs,
         weight.stride(1),
+        _BUILD,
     )
     return out
 

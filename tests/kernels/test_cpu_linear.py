@@ -2,24 +2,40 @@
 
 Its sums are float32 multiply-add chains over the inputs in order, so each output is within the
 chain's rounding bound ``K * 2**-24 * sum_k |x_k w_k|`` (Higham's gamma_K, first order) of the
-exact product, and a row's outputs do not depend on the other rows of its batch."""
+exact product, and a row's outputs do not depend on the other rows of its batch. Each C build this CPU
+runs (AVX-512, AVX2) is tested, and the builds agree to the bit."""
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.kernels import cpu_linear
 from tandem.models.linear import Linear, linear, narrow_exact_weights
 from tandem.models.moe import RoutedExperts
 
-needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="the CPU kernel is not built or needs AVX-512")
+needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="the CPU kernel is not built or needs AVX2")
+ROWS = max(cpu_linear.BUILD_MAX_ROWS.values())  # the kernel itself takes any rows; `applies` caps them per build
+
+
+@pytest.fixture(params=cpu_linear.BUILDS)
+def build(request, monkeypatch):
+    """Each C build in turn, as `cpu_linear.linear` calls it (skipped where this CPU does not run it)."""
+    if request.param not in cpu_linear.RUNNABLE:
+        pytest.skip(f"this CPU does not run the {request.param} build")
+    for name in ("ISA", "MAX_ROWS", "_AVAILABLE", "_BUILD"):
+        monkeypatch.setattr(cpu_linear, name, getattr(cpu_linear, name))  # restored after the test
+    cpu_linear.use(request.param)
+    return request.param
 
 
 def transposed_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -33,23 +49,24 @@ def test_the_extension_is_built_where_a_compiler_is():
     assert cpu_linear._cpu_linear is not None, "pip install did not build tandem.kernels._cpu_linear"
 
 
-@needs_kernel
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))  # `build` is set once
 @given(
-    rows=st.integers(1, cpu_linear.MAX_ROWS),
+    rows=st.integers(1, ROWS),
     size=st.integers(1, 200),
     outputs=st.integers(1, 600),  # past a one-row block's 256 columns: whole blocks and a tail
     with_bias=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
     rows_around=st.tuples(st.integers(0, 40), st.integers(0, 40)),
 )
-def test_outputs_are_within_the_rounding_bound_of_the_exact_product(rows, size, outputs, with_bias, seed, rows_around):
+def test_outputs_are_within_the_rounding_bound_of_the_exact_product(
+    build, rows, size, outputs, with_bias, seed, rows_around
+):
     """Also for a weight that is a block of a wider one's rows (its transpose's rows further apart)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, size, generator=g)
     before, after = rows_around
     weight = transposed_bf16(torch.randn(before + outputs + after, size, generator=g))[before : before + outputs]
-    assert cpu_linear.applies(x, weight)
+    assert cpu_linear.applies(x, weight) == (rows <= cpu_linear.MAX_ROWS)
     bias = torch.randn(outputs, generator=g) if with_bias else None
     out = cpu_linear.linear(x, weight, bias)
     exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
@@ -62,15 +79,52 @@ def test_outputs_are_within_the_rounding_bound_of_the_exact_product(rows, size, 
     assert ((out.double() - exact).abs() <= bound + 1e-30).all()
 
 
-@needs_kernel
 @pytest.mark.parametrize("outputs", [320, 1152, 77])
-def test_a_rows_outputs_do_not_depend_on_its_batch(outputs):
+def test_a_rows_outputs_do_not_depend_on_its_batch(build, outputs):
     g = torch.Generator().manual_seed(outputs)
-    x = torch.randn(cpu_linear.MAX_ROWS, 192, generator=g)
+    x = torch.randn(ROWS, 192, generator=g)
     weight = transposed_bf16(torch.randn(outputs, 192, generator=g))
     alone = torch.cat([cpu_linear.linear(x[i : i + 1], weight) for i in range(len(x))])
-    for rows in (2, 5, 7, 8, 40, cpu_linear.MAX_ROWS):  # blocked 2, 5, 4+3, 4+4, 7 * 5 + 5, ...; one row wider
+    for rows in (2, 3, 4, 5, 7, 8, 40, ROWS):  # blocked (AVX-512) 2, 3, 4, 5, 4+3, 4+4, ..., (AVX2) 2, 3, 4, 3+2, ...
         assert torch.equal(cpu_linear.linear(x[:rows], weight), alone[:rows])
+
+
+@pytest.mark.skipif(len(cpu_linear.RUNNABLE) < 2, reason="this CPU runs one C build at most")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 40])
+def test_the_builds_give_the_same_bits(rows, monkeypatch):
+    """The same multiply-add chains whatever the registers' width and blocking: AVX2's output is AVX-512's."""
+    g = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 200, generator=g), transposed_bf16(torch.randn(333, 200, generator=g))
+    bias = torch.randn(333, generator=g)
+    outs = []
+    for isa in cpu_linear.RUNNABLE:
+        monkeypatch.setattr(cpu_linear, "_BUILD", cpu_linear.BUILDS.index(isa))
+        outs.append(cpu_linear.linear(x, weight, bias))
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+def test_a_build_this_cpu_does_not_run_is_refused_with_what_it_runs(monkeypatch):
+    for name in ("ISA", "MAX_ROWS", "_AVAILABLE", "_BUILD"):
+        monkeypatch.setattr(cpu_linear, name, getattr(cpu_linear, name))
+    with pytest.raises(ValueError, match="choose auto, off, avx512, avx2"):
+        cpu_linear.use("avx3")
+    missing = [isa for isa in cpu_linear.BUILDS if isa not in cpu_linear.RUNNABLE]
+    if missing:
+        with pytest.raises(ValueError, match=f"{missing[0]}' is not available here"):
+            cpu_linear.use(missing[0])
+    cpu_linear.use("off")
+    assert not cpu_linear.available() and cpu_linear.ISA is None and cpu_linear.MAX_ROWS == 0
+    cpu_linear.use("auto")
+    assert cpu_linear.ISA == (cpu_linear.RUNNABLE[0] if cpu_linear.RUNNABLE else None)
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("off", "None False"), ("avx3", "choose auto, off, avx512, avx2")])
+def test_the_environment_chooses_the_build_at_import(setting, expected):
+    code = "from tandem.kernels import cpu_linear; print(cpu_linear.ISA, cpu_linear.available())"
+    run = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "TANDEM_CPU_LINEAR": setting}, capture_output=True, text=True
+    )
+    assert expected in run.stdout + run.stderr
 
 
 @needs_kernel

@@ -126,7 +126,7 @@ def test_steps_compile_whole_match_eager_and_never_recompile(name):
     assert all(r.fallbacks == 0 for r in runners)
 
 
-@pytest.mark.skipif(not cpu_linear.available(), reason="the C kernel is not built or this CPU lacks AVX-512")
+@pytest.mark.skipif(not cpu_linear.available(), reason="the C kernel is not built or this CPU lacks AVX2")
 def test_cpu_linear_op_passes_opcheck():
     weight = torch.randn(48, 32).to(torch.bfloat16).T.contiguous().T  # stored transposed, as narrowed weights are
     for x, bias in ((torch.randn(3, 32), None), (torch.randn(1, 32), torch.randn(48))):

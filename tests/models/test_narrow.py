@@ -46,7 +46,7 @@ def narrowable_dtypes(module: torch.nn.Module) -> dict[str, torch.dtype]:
         False,
         pytest.param(
             True,
-            marks=pytest.mark.skipif(not cpu_linear.available(), reason="the CPU kernel is not built or needs AVX-512"),
+            marks=pytest.mark.skipif(not cpu_linear.available(), reason="the CPU kernel is not built or needs AVX2"),
         ),
     ],
     ids=["F.linear", "kernel"],
@@ -121,7 +121,7 @@ def _tied_llama() -> Llama3:
     return model.eval()
 
 
-@pytest.mark.skipif(not cpu_linear.available(), reason="the CPU kernel is not built or needs AVX-512")
+@pytest.mark.skipif(not cpu_linear.available(), reason="the CPU kernel is not built or needs AVX2")
 @torch.inference_mode()
 def test_a_tied_embedding_is_narrowed_and_still_looks_up_float32_rows():
     """The matrix is the head too: narrowed, the head runs through the kernel (the wide model's logits up to
