@@ -28,7 +28,8 @@ the machine's other load, not the code); a ratio is the median over rounds of th
 round, where both sides saw the same stretch of machine, and `ratio_range` gives its spread. `ratios` names
 each draft's for every batch (`eagle3_k4_batch8_vs_plain`): speculative over plain, constrained over
 unconstrained, and speculative over plain under the schema. One
-JSON object on the last line of stdout. Prefix caching is off: the rounds repeat the same prompts, whose
+JSON object on the last line of stdout; on the CPU its `cpu_kernels` say which C kernels ran (the linear's
+build, `TANDEM_CPU_LINEAR`). Prefix caching is off: the rounds repeat the same prompts, whose
 prefill a cache would skip (`benchmarks/serve_load.py --workload agent` measures the cache).
 
 Progress (`--progress`): a bar on stderr with the model, the case and the round running, the time
@@ -120,6 +121,14 @@ def run(args: argparse.Namespace) -> int:
         "graph_modes": args.graph_mode,
         "models": {},
     }
+    if torch.device(report["device"]).type == "cpu":  # which C kernels the figures ran on (README, "fast paths")
+        from tandem.kernels import cpu_attention, cpu_linear, cpu_norm
+
+        report["cpu_kernels"] = {
+            "linear": cpu_linear.ISA,
+            "norm": cpu_norm.available(),
+            "attention": cpu_attention.available(),
+        }
     show = {"on": True, "off": False, "auto": sys.stderr.isatty()}[args.progress]
     for model in args.models:
         with tqdm(desc=model, file=sys.stderr, disable=not show, unit="tok", smoothing=0, dynamic_ncols=True) as bar:

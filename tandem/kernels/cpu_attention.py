@@ -1,4 +1,4 @@
-"""Paged attention of float32 queries on the CPU, in C with AVX-512 (``cpu_attention.c``): the Triton kernel's contract.
+"""Paged attention of float32 queries on the CPU, in C (``cpu_attention.c``): the Triton kernel's contract.
 
 :func:`paged_attention` takes what :func:`tandem.kernels.paged_attention_triton` takes (a ``[B, Q, nh, Dk]`` query
 grid, key and value pools read through ``[B, nb]`` block tables, each query's position) and computes the same
@@ -8,9 +8,10 @@ gather, transposes and ``scaled_dot_product_attention`` spend more in dispatch t
 replaces them. Under ``torch.compile`` the layers keep the torch path
 (:meth:`tandem.models.attention.RaggedLayout.reads_pools` chooses).
 
+The C code has an AVX-512 and an AVX2 + FMA build of the same stages; :data:`ISA` is the one in use, the fastest this
+CPU runs. Their sums run in 16 and 8 lanes, so they round differently (each in an order fixed by the sizes alone).
 The extension is built at install when a C compiler is there (``pyproject.toml``); without it, or on a CPU
-without AVX-512, :func:`available` is False and attention gathers the keys and runs
-``scaled_dot_product_attention``.
+with neither, :func:`available` is False and attention gathers the keys and runs ``scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ try:
 except ImportError:  # built without a C compiler
     _cpu_attention = None
 
-_AVAILABLE = _cpu_attention is not None and _cpu_attention.available()
+BUILDS = ("avx512", "avx2")  # the C code's builds, fastest first, by the index its `paged_attention` takes
+RUNNABLE: tuple[str, ...] = () if _cpu_attention is None else tuple(_cpu_attention.isas())  # those this CPU runs
+ISA: str | None = RUNNABLE[0] if RUNNABLE else None  # the build `paged_attention` calls
+_AVAILABLE = ISA is not None
+_BUILD = -1 if ISA is None else BUILDS.index(ISA)
 
 
 def available() -> bool:
-    """True when the extension is built and this CPU runs it (x86-64 with AVX-512 F and FMA)."""
+    """True when the extension is built and this CPU runs one of its builds (x86-64 with AVX-512 F or AVX2, and
+    FMA)."""
     return _AVAILABLE
 
 
@@ -117,5 +123,6 @@ def paged_attention(
         key_end,
         key_offset,
         scale,
+        _BUILD,
     )
     return out

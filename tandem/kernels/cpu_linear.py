@@ -55,7 +55,10 @@ def use(isa: str) -> None:
     MAX_ROWS = BUILD_MAX_ROWS.get(ISA, 0)
 
 
-use(os.environ.get("TANDEM_CPU_LINEAR", "auto"))
+try:
+    use(os.environ.get("TANDEM_CPU_LINEAR", "auto"))
+except ValueError as error:
+    raise ValueError(f"$TANDEM_CPU_LINEAR: {error}") from None
 
 
 def available() -> bool:

@@ -32,7 +32,7 @@ runs the Triton paged-attention kernel (:mod:`tandem.kernels.paged_attention`), 
 its block table and masks them by the queries' positions (:attr:`RaggedLayout.positions`), in both layouts (graph
 mode's too: the kernel reads only device tensors, so it is captured with the step). On the CPU, steps of at most
 :data:`FOLD_MAX_QUERY` queries per row (decode, verify, drafting) run the C kernel of the same contract
-(:mod:`tandem.kernels.cpu_attention`, AVX-512) where it is built, outside ``torch.compile``
+(:mod:`tandem.kernels.cpu_attention`, AVX-512 or AVX2) where it is built, outside ``torch.compile``
 (:meth:`RaggedLayout.reads_pools`). The torch path stays the reference both kernels are tested against, and the
 path of everything else (prefills, compiled CPU steps, CPUs without the kernel).
 """

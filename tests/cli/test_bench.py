@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tandem.kernels import cpu_linear
 from tests.cli.conftest import last_json_line
 
 MODEL, DRAFT, K, BATCH, PROMPTS, MAX_TOKENS = "demo-llama", "eagle3", 2, 2, 2, 4
@@ -19,6 +20,7 @@ def test_bench_smallest_run_reports_runs_and_ratios(tandem):
     report = last_json_line(out)
     assert report["benchmark"] == "tandem bench" and report["device"] == "cpu" and report["threads"] == 1
     assert report["graph_modes"] == ["eager"]
+    assert report["cpu_kernels"]["linear"] == cpu_linear.ISA  # the figures' C kernels (this process imports as it)
     assert (report["max_tokens"], report["prompts"], report["repeats"]) == (MAX_TOKENS, PROMPTS, 1)
     assert list(report["models"]) == [MODEL]
     result = report["models"][MODEL]

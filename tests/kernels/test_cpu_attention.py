@@ -1,13 +1,13 @@
 """The CPU's C paged attention (`tandem.kernels.cpu_attention`) equals the torch path (gather + sdpa) it replaces:
 decode and verify steps, ragged rows, GQA, blocks out of order, the eager and the graph layouts, MLA's latent cache,
 a whole target's logits; and a query's output depends on its own keys alone. Tolerance: float32 1e-5 (both paths
-accumulate in float32, in different orders)."""
+accumulate in float32, in different orders). Every test runs each C build this CPU runs (AVX-512, AVX2)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.kernels import cpu_attention
@@ -17,6 +17,15 @@ from tandem.models.base import BlockTable, ForwardBatch, KVCache
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the CPU attention is not built")
 CLOSE = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.fixture(autouse=True, params=cpu_attention.BUILDS)
+def build(request, monkeypatch):
+    """Each C build in turn (skipped where this CPU does not run it)."""
+    if request.param not in cpu_attention.RUNNABLE:
+        pytest.skip(f"this CPU does not run the {request.param} build")
+    monkeypatch.setattr(cpu_attention, "_BUILD", cpu_attention.BUILDS.index(request.param))
+    return request.param
 
 
 def scattered_cache(ends: list[int], block_size: int, entry: tuple, *, seed: int = 0, first_position: int = 0):
@@ -70,7 +79,7 @@ def test_every_head_size_gives_the_torch_paths_attention(dim, monkeypatch):
     torch.testing.assert_close(attend(layout, q, cache.layers[0], "auto", monkeypatch), expected, **CLOSE)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))  # `build` is set once
 @given(
     rows=st.lists(st.tuples(st.integers(1, 70), st.integers(1, 6)), min_size=1, max_size=3),
     block_size=st.sampled_from([1, 3, 16]),
