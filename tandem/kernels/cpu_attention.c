@@ -27,6 +27,8 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+
+#include "cpu_builds.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -523,33 +525,6 @@ static const Build BUILDS[] = {
 };
 #endif
 
-/* The builds, by the index `paged_attention` takes, and whether this CPU runs each (set once at import). */
-#define NUM_ISAS 2
-static const char *const ISA_NAMES[NUM_ISAS] = {"avx512", "avx2"};
-static int RUNS[NUM_ISAS];
-
-static int cpu_runs(int isa) {
-#ifdef HAVE_KERNEL
-    __builtin_cpu_init();
-    if (isa == 0) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    return 0;
-#endif
-}
-
-/* isas(): the names of the builds this CPU runs, fastest first. */
-static PyObject *isas(PyObject *self, PyObject *unused) {
-    PyObject *names = PyList_New(0);
-    for (int isa = 0; names && isa < NUM_ISAS; isa++) {
-        if (!RUNS[isa]) continue;
-        PyObject *name = PyUnicode_FromString(ISA_NAMES[isa]);
-        if (!name || PyList_Append(names, name) < 0) Py_CLEAR(names);
-        Py_XDECREF(name);
-    }
-    return names;
-}
-
 /* paged_attention(q, k, v, tables, positions, out, 3 + 3 + 3 strides of q and the pools, the tables' and positions'
    row strides, rows, queries, heads, kv_heads, key_dim, value_dim, block_size, key_start, key_end, key_offset,
    scale, build): tandem/kernels/cpu_attention.py checks the shapes; here the sizes the loops rely on, and that
@@ -566,10 +541,7 @@ static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ss
     double scale = PyFloat_AsDouble(args[27]);
     long isa = PyLong_AsLong(args[28]);
     if (PyErr_Occurred()) return NULL;
-    if (isa < 0 || isa >= NUM_ISAS || !RUNS[isa]) {
-        PyErr_Format(PyExc_ValueError, "paged_attention: build %ld is not one this CPU runs (see isas())", isa);
-        return NULL;
-    }
+    if (check_build("paged_attention", isa) < 0) return NULL;
 #ifdef HAVE_KERNEL
     Attention a = {
         .q = ptr[0], .keys = {ptr[1], n[3], n[4], n[5]}, .values = {ptr[2], n[6], n[7], n[8]},
@@ -603,6 +575,9 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_attention", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__cpu_attention(void) {
-    for (int isa = 0; isa < NUM_ISAS; isa++) RUNS[isa] = cpu_runs(isa);
+#if defined(__GNUC__) && defined(__x86_64__)
+    __builtin_cpu_init();
+    detect_builds(__builtin_cpu_supports("avx512f"));
+#endif
     return PyModule_Create(&module);
 }

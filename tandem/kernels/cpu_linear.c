@@ -32,6 +32,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#include "cpu_builds.h"
+
 #if defined(__GNUC__) && defined(__x86_64__)
 #define HAVE_KERNEL 1
 #include <immintrin.h> /* outside the target regions: each build's code calls the intrinsics of its own target */
@@ -275,36 +277,7 @@ static void avx2_linear(const float *x, const uint16_t *wt, const float *bias, f
 #pragma GCC pop_options
 #endif
 
-/* The builds, by the index `linear` takes, and whether this CPU runs each. */
 typedef void (*linear_fn)(const float *, const uint16_t *, const float *, float *, int, int, int, int64_t);
-#define NUM_ISAS 2
-static const char *const ISA_NAMES[NUM_ISAS] = {"avx512", "avx2"};
-
-static int RUNS[NUM_ISAS]; /* set once at import */
-
-static int cpu_runs(int isa) {
-#ifdef HAVE_KERNEL
-    __builtin_cpu_init();
-    if (isa == 0)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    return 0;
-#endif
-}
-
-/* isas(): the names of the builds this CPU runs, fastest first; `linear` takes one's index in ("avx512", "avx2"). */
-static PyObject *isas(PyObject *self, PyObject *unused) {
-    PyObject *names = PyList_New(0);
-    for (int isa = 0; names && isa < NUM_ISAS; isa++) {
-        if (!RUNS[isa]) continue;
-        PyObject *name = PyUnicode_FromString(ISA_NAMES[isa]);
-        if (!name || PyList_Append(names, name) < 0) Py_CLEAR(names);
-        Py_XDECREF(name);
-    }
-    return names;
-}
 
 /* linear(x, wt, bias, out, m, k, n, ldw, isa): the tensors' data pointers (bias 0 for none), the sizes, the
    distance between wt's rows, and the build's index (one that `isas` lists). */
@@ -326,10 +299,7 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
                      size[3]);
         return NULL;
     }
-    if (isa < 0 || isa >= NUM_ISAS || !RUNS[isa]) {
-        PyErr_Format(PyExc_ValueError, "linear: build %ld is not one this CPU runs (see isas())", isa);
-        return NULL;
-    }
+    if (check_build("linear", isa) < 0) return NULL;
 #ifdef HAVE_KERNEL
     linear_fn fn = isa == 0 ? avx512_linear : avx2_linear;
     Py_BEGIN_ALLOW_THREADS /* the grammar-mask worker runs meanwhile */
@@ -352,6 +322,10 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_linear", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__cpu_linear(void) {
-    for (int isa = 0; isa < NUM_ISAS; isa++) RUNS[isa] = cpu_runs(isa);
+#if defined(__GNUC__) && defined(__x86_64__)
+    __builtin_cpu_init();
+    detect_builds(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl"));
+#endif
     return PyModule_Create(&module);
 }
