@@ -27,13 +27,18 @@ needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="the CPU ke
 ROWS = max(cpu_linear.BUILD_MAX_ROWS.values())  # the kernel itself takes any rows; `applies` caps them per build
 
 
+@pytest.fixture
+def restored(monkeypatch):
+    """The build in use (what `cpu_linear.use` sets) is put back after the test."""
+    for name in ("ISA", "MAX_ROWS", "_AVAILABLE", "_BUILD"):
+        monkeypatch.setattr(cpu_linear, name, getattr(cpu_linear, name))
+
+
 @pytest.fixture(params=cpu_linear.BUILDS)
-def build(request, monkeypatch):
+def build(request, restored):
     """Each C build in turn, as `cpu_linear.linear` calls it (skipped where this CPU does not run it)."""
     if request.param not in cpu_linear.RUNNABLE:
         pytest.skip(f"this CPU does not run the {request.param} build")
-    for name in ("ISA", "MAX_ROWS", "_AVAILABLE", "_BUILD"):
-        monkeypatch.setattr(cpu_linear, name, getattr(cpu_linear, name))  # restored after the test
     cpu_linear.use(request.param)
     return request.param
 
@@ -103,9 +108,7 @@ def test_the_builds_give_the_same_bits(rows, monkeypatch):
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
-def test_a_build_this_cpu_does_not_run_is_refused_with_what_it_runs(monkeypatch):
-    for name in ("ISA", "MAX_ROWS", "_AVAILABLE", "_BUILD"):
-        monkeypatch.setattr(cpu_linear, name, getattr(cpu_linear, name))
+def test_a_build_this_cpu_does_not_run_is_refused_with_what_it_runs(restored):
     with pytest.raises(ValueError, match="choose auto, off, avx512, avx2"):
         cpu_linear.use("avx3")
     missing = [isa for isa in cpu_linear.BUILDS if isa not in cpu_linear.RUNNABLE]
