@@ -4,7 +4,8 @@
 # with graphs over eager kernels and over inductor's, with and without async scheduling (benchmarks/large_target.py;
 # the paged-attention kernel, s41 measured the others; eager steps are bound by the host, s48 measured them), the
 # paged-attention kernel against gather + sdpa for Llama's heads and MLA's latent (benchmarks/paged_attention.py),
-# graph mode's step times on both demo targets, plain with async scheduling too (benchmarks/graph_steps.py; eager
+# graph mode's step times on both demo targets, plain with async scheduling too, speculative with and without
+# lookahead proposals (benchmarks/graph_steps.py; eager
 # steps are bound by the host, 10-20x their device time in s39's run), plain decoding with and without async
 # scheduling interleaved in one process, free and under JSON schemas (benchmarks/async_scheduling.py), what adaptive
 # speculation chooses (benchmarks/adaptive.py), and speculative vs plain decoding on the demo prompts in graph mode
@@ -36,8 +37,8 @@ for name in $parts; do
     case $name in
     tests) part tests 210 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine/test_graphs.py \
         tests/engine/test_device_reads.py tests/grammars/test_mask_pipeline.py tests/core/test_transfer.py ;;
-    graph_steps) part graph_steps 90 python3 benchmarks/graph_steps.py --graph-mode compiled --steps 24 --warmup 24 \
-        --async-scheduling --host-profile "$out/host_profile.txt" ;;
+    graph_steps) part graph_steps 150 python3 benchmarks/graph_steps.py --graph-mode compiled --steps 24 --warmup 24 \
+        --async-scheduling --lookahead --host-profile "$out/host_profile.txt" ;;
     large_target) part large_target 160 python3 benchmarks/large_target.py --attention triton --graph-mode compiled ;;
     adaptive) part adaptive 90 python3 benchmarks/adaptive.py --device cuda --dtype bfloat16 --graph-mode compiled ;;
     bench) part bench 180 python3 -m tandem.cli bench --device cuda --dtype bfloat16 --graph-mode compiled \

@@ -4,7 +4,9 @@
 
 For each demo target with its draft (demo-llama + EAGLE-3, demo-deepseek + MTP), batch size and graph mode,
 the plain path (and with ``--async-scheduling`` the plain path with async scheduling, ``plain-async``) and the
-speculative one (``--k`` drafts): rows that cannot finish inside the run (``ignore_eos``,
+speculative one (``--k`` drafts; with ``--lookahead`` also with lookahead proposals off, ``<draft>-after-commit``,
+and ``lookahead_over_commit``, the tokens/s ratio of the default to it): rows that cannot finish inside the run
+(``ignore_eos``,
 ``max_tokens`` past it) take ``--warmup`` steps, which build every graph the run
 needs, then ``--steps`` timed steps. ``wall_ms`` is a step's wall time (unprofiled), ``device_ms`` the
 device's busy time per step over as many further steps under the profiler (the union of kernel intervals
@@ -121,6 +123,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="timed steps (and as many profiled)")
     parser.add_argument("--host-profile", type=Path, default=None, help="a file for each case's cProfile top 30")
     parser.add_argument("--async-scheduling", action="store_true", help="also plain decoding with async scheduling")
+    parser.add_argument("--lookahead", action="store_true", help="also speculative steps without lookahead proposals")
     args = parser.parse_args()
     if args.host_profile is not None:
         args.host_profile = args.host_profile.open("w")
@@ -130,9 +133,15 @@ def main() -> None:
         report["gpu"] = torch.cuda.get_device_name(args.device)
     examples = generate_examples(max(args.batch), seed=1, split="heldout")
     for model in args.models:
-        paths = [(None, False), *([(None, True)] if args.async_scheduling else []), (PAIRS[model], False)]
-        for draft, overlap in paths:
+        draft = PAIRS[model]
+        paths = [("plain", None, False, None), *([("plain-async", None, True, None)] if args.async_scheduling else [])]
+        paths.append((draft, draft, False, None))
+        if args.lookahead:
+            paths.append((f"{draft}-after-commit", draft, False, False))
+        for path, draft, overlap, lookahead in paths:
             for mode in args.graph_mode:
+                if lookahead is not None and mode == "eager":
+                    continue  # lookahead proposals are graph mode's
                 llm = LLM(
                     model,
                     draft,
@@ -142,9 +151,9 @@ def main() -> None:
                     max_num_seqs=max(args.batch),
                     graph_mode=mode,
                     async_scheduling=overlap,
+                    lookahead=lookahead,
                 )
                 prompts = [chat_prompt_ids(llm.tokenizer, ex.messages, ex.tools) for ex in examples]
-                path = draft or ("plain-async" if overlap else "plain")
                 for batch in args.batch:
                     row = {"model": model, "draft": path, "graph_mode": mode, "batch": batch}
                     if args.host_profile is not None:
@@ -168,6 +177,10 @@ def _ratios(cases: list[dict]) -> list[dict]:
             ratios.append(
                 {"model": model, "graph_mode": mode, "batch": batch, "async_over_sync": round(value / plain, 3)}
             )
+        elif draft.endswith("-after-commit"):
+            ahead = rate.get((model, draft.removesuffix("-after-commit"), mode, batch))
+            ratios.append({"model": model, "draft": draft, "graph_mode": mode, "batch": batch,
+                           "lookahead_over_commit": None if ahead is None else round(ahead / value, 3)})  # fmt: skip
         elif draft != "plain" and plain:
             ratios.append({"model": model, "draft": draft, "graph_mode": mode, "batch": batch,
                            "speculative_over_plain": round(value / plain, 3)})  # fmt: skip

@@ -52,6 +52,8 @@ class LLM:
         CUDA in graph mode, off elsewhere.
     adaptive: choose each greedy row's drafts per step (0..num_speculative_tokens) from its acceptance and the
         measured cost of a verify (:mod:`tandem.engine.adaptive`); False: always num_speculative_tokens.
+    lookahead: a chained draft (eagle, eagle3, mtp) in graph mode proposes right after the verify, from the tokens
+        it emitted, before the host reads them (`Engine._lookahead`); outputs are the same. None: on CUDA.
     tensor_parallel_size, data_parallel_size, enable_expert_parallel: the target over several processes
         (:class:`tandem.engine.workers.ParallelConfig`): Llama 3 tensor-parallel, DeepSeek-V3 with data-parallel
         attention and, with enable_expert_parallel, whole experts per rank. This process drives the engine and
@@ -85,6 +87,7 @@ class LLM:
         max_num_batched_tokens: int | None = 2048,
         async_scheduling: bool | None = None,
         adaptive: bool = True,
+        lookahead: bool | None = None,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
@@ -151,6 +154,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 async_scheduling=async_scheduling,
                 adaptive=adaptive,
+                lookahead=lookahead,
                 eos_token_ids=generation_eos_ids(self.model_path),
             ),
             self.workers,

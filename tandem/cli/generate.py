@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         adaptive=args.adaptive,
         graph_mode=args.graph_mode,
         async_scheduling=args.async_scheduling,
+        lookahead=args.lookahead,
         revision=args.revision,
         **parallel_settings(args),
     )

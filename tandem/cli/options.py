@@ -17,9 +17,9 @@ def positive_int(text: str) -> int:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--model`, `--revision`, `--draft`, `-k`, `--adaptive`, `--graph-mode`, `--async-scheduling` and the parallel
-    layout: the target (and its hub revision), its draft, the drafts per step, how steps run and over how many
-    processes."""
+    """`--model`, `--revision`, `--draft`, `-k`, `--adaptive`, `--graph-mode`, `--async-scheduling`, `--lookahead` and
+    the parallel layout: the target (and its hub revision), its draft, the drafts per step, how steps run and over how
+    many processes."""
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -47,6 +47,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="launch each plain decode step before reading the last one's tokens (a model without draft: --draft "
         "none; default: on for one in graph mode on CUDA)",
+    )
+    parser.add_argument(
+        "--lookahead",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a chained draft (eagle, eagle3, mtp) in graph mode proposes right after the verify, before the host "
+        "reads it (default: on CUDA)",
     )
     add_parallel_arguments(parser)
 

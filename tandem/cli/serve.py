@@ -94,6 +94,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_num_seqs=args.max_num_seqs,
         graph_mode=args.graph_mode,
         async_scheduling=args.async_scheduling,
+        lookahead=args.lookahead,
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -39,7 +39,7 @@ rule from argmaxes already chosen (graph mode chooses them inside the target's g
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -73,6 +73,7 @@ class AcceptanceResult:
     tokens: torch.Tensor
     dead_end: torch.Tensor
     host: list[tuple[list[int], int, bool]] | None = field(default=None, repr=False, compare=False)  # `to_host`'s
+    carried: list[list[int]] | None = field(default=None, repr=False, compare=False)  # `read_with`'s other rows
 
     @classmethod
     def without_drafts(cls, tokens: torch.Tensor) -> AcceptanceResult:
@@ -92,11 +93,25 @@ class AcceptanceResult:
         when the result was decided on the host)."""
         if self.host is not None:
             return self.host
-        columns = torch.cat([self.num_accepted[:, None], self.dead_end[:, None].long(), self.tokens], dim=1)
-        return [
-            (tokens[: accepted + (not dead_end)], accepted, bool(dead_end))
-            for accepted, dead_end, *tokens in columns.tolist()
-        ]
+        return _host_rows(self._columns().tolist())
+
+    def read_with(self, carry: torch.Tensor) -> AcceptanceResult:
+        """This result with its host rows (`to_host`'s) and those of ``carry [B, n]`` int64 (`carried`), in one read
+        of the device: a tensor launched after the acceptance (a lookahead proposal) comes back with it."""
+        if self.host is not None:
+            return replace(self, carried=carry.tolist())
+        width = self.tokens.shape[1] + 2
+        columns = torch.cat([self._columns(), carry], dim=1).tolist()
+        return replace(self, host=_host_rows([c[:width] for c in columns]), carried=[c[width:] for c in columns])
+
+    def _columns(self) -> torch.Tensor:
+        """``[B, k+3]`` int64: each row's drafts accepted, dead end, tokens."""
+        return torch.cat([self.num_accepted[:, None], self.dead_end[:, None].long(), self.tokens], dim=1)
+
+
+def _host_rows(columns: list[list[int]]) -> list[tuple[list[int], int, bool]]:
+    """`AcceptanceResult.to_host`'s rows of its `_columns` read to the host."""
+    return [(tokens[: accepted + (not dead_end)], accepted, bool(dead_end)) for accepted, dead_end, *tokens in columns]
 
 
 def accept(
@@ -255,26 +270,39 @@ def _accept_greedy_host(
     return _walk_greedy(best, draft_tokens, dead)
 
 
-def accept_argmax(best: torch.Tensor, draft_tokens: torch.Tensor) -> AcceptanceResult:
+def accept_argmax(
+    best: torch.Tensor, draft_tokens: torch.Tensor, carry: torch.Tensor | None = None
+) -> AcceptanceResult:
     """`accept`'s greedy rule for positions without a mask, relaxed rule or adjusted logits whose argmaxes are
     known already (graph mode chooses them in the target's graph, `TargetOutput.greedy`): each row's drafts walked
     on the host, after one read of the device. No position is a dead end.
 
     best:         [B, k+1] int64, each position's argmax (below the vocabulary's real ids)
     draft_tokens: [B, k] int64
+    carry:        [B, n] int64 or None, read in the same copy (`AcceptanceResult.carried`; `read_with`)
     """
-    return _walk_greedy(best, draft_tokens, None)
+    return _walk_greedy(best, draft_tokens, None, carry)
 
 
-def _walk_greedy(best: torch.Tensor, draft_tokens: torch.Tensor, dead: torch.Tensor | None) -> AcceptanceResult:
+def accepted_counts(best: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """`accept_argmax`'s drafts accepted per row ``[B]`` int64, on the device, without reading it: the longest
+    prefix of ``draft_tokens [B, k]`` equal to ``best [B, k+1]``'s argmaxes."""
+    return (draft_tokens == best[:, :-1]).cumprod(dim=1).sum(dim=1)
+
+
+def _walk_greedy(
+    best: torch.Tensor, draft_tokens: torch.Tensor, dead: torch.Tensor | None, carry: torch.Tensor | None = None
+) -> AcceptanceResult:
     """Each row's accepted prefix of ``draft_tokens [B, k]`` (equal to ``best [B, k+1]``'s argmaxes at live positions;
-    ``dead [B, k+1]`` bool or None: none dead), read in one copy and walked on the host; the result's tensors are the
-    host's."""
+    ``dead [B, k+1]`` bool or None: none dead), read in one copy with ``carry [B, n]`` (None: nothing) and walked on
+    the host; the result's tensors are the host's."""
     k = best.shape[1] - 1
     columns = [best, draft_tokens] if dead is None else [best, draft_tokens, dead.long()]
+    read = torch.cat(columns if carry is None else [*columns, carry], dim=1).tolist()
+    width = 2 * k + 1 + (dead is not None) * (k + 1)
     rows = []
-    for row in torch.cat(columns, dim=1).tolist():
-        top, drafts, ended = row[: k + 1], row[k + 1 : 2 * k + 1], row[2 * k + 1 :] or [0] * (k + 1)
+    for row in read:
+        top, drafts, ended = row[: k + 1], row[k + 1 : 2 * k + 1], row[2 * k + 1 : width] or [0] * (k + 1)
         n = 0
         while n < k and not ended[n] and drafts[n] == top[n]:
             n += 1
@@ -285,6 +313,7 @@ def _walk_greedy(best: torch.Tensor, draft_tokens: torch.Tensor, dead: torch.Ten
         tokens=torch.tensor(tokens, dtype=torch.int64).view(len(rows), k + 1),
         dead_end=torch.tensor([ended for _, _, ended in rows], dtype=torch.bool),
         host=rows,
+        carried=None if carry is None else [row[width:] for row in read],
     )
 
 

@@ -23,7 +23,9 @@ drafts (`batching.defer_draft`; that proposal's first pass is wider, so its time
 does a proposal's after a prefill, whose first pass takes the prompt);
 over several ranks, where the ranks run such a draft, it runs its first pass anyway (J is at least 1 for it).
 A proposal left on the device (`Request.drafts_on_device`) is timed as the host launches it: the device's part
-lands in the next step's cost, whose commit waits for it, so a drafting step still pays for its proposal.
+lands in the next step's cost, whose commit waits for it, so a drafting step still pays for its proposal. A lookahead
+proposal (`Engine._lookahead`, graph mode on CUDA) runs inside the verify's timing, so with lookaheads draft(J) is
+never timed and stays 0: cost(T) of a drafting step holds it.
 The policy picks the ``j_b`` in 0..k_max maximising
 
     sum_b E_b(j_b) / (cost(sum_b (j_b + 1)) + draft(max_b j_b) + o)

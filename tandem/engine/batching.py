@@ -4,12 +4,13 @@ draft's (step 6, propose).
 Spans are Python ints, so building a batch never reads the device, and each phase's host values (the batch,
 the forwards' plans: the graph runner's or the eager layouts', the drafts, the penalties' entries, the sampling
 tables) cross to the device in one staged copy (`tandem.core.transfer.Staging`): a step copies to the device
-twice, once before the verify and once before the proposal, whether its rows sample or not, eager or compiled.
+twice, once before the verify and once before the proposal, whether its rows sample or not, eager or compiled; once
+when the proposal is a lookahead (`Lookahead`: its first pass is planned with the verify).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,6 +36,7 @@ class VerifyInputs:
     drafts:      [B', k] int64 on the device, the drafts this step verifies
     adjustments: the verifying rows' penalties and logit biases (None: no row has any)
     sampling:    the verifying rows' sampling settings with this step's seeds (None: every row is greedy)
+    lookahead:   the draft's first pass of a lookahead proposal over the verify's emitted tokens (None: none)
     """
 
     batch: ForwardBatch
@@ -43,6 +45,27 @@ class VerifyInputs:
     drafts: torch.Tensor
     adjustments: LogitAdjustments | None
     sampling: SamplingTensors | None
+    lookahead: Lookahead | None = None
+
+
+@dataclass
+class Lookahead:
+    """A lookahead proposal's first pass (`Engine._lookahead`), planned with the verify: row b, which verified its
+    last token at position p and m drafts, feeds the draft the m + 1 tokens emitted at positions p + 1 .. p + m + 1
+    (correct up to its accepted drafts and the token after them; the rest are rewritten later), each paired with the
+    verify's hidden state before it.
+
+    batch: the draft's batch over those positions, its ``input_ids`` a placeholder (:meth:`over`)
+    index: [T] int64, each of its tokens' place among the verify's ``[B * (k+1)]`` outputs; None: all, in order
+    """
+
+    batch: ForwardBatch
+    index: torch.Tensor | None
+
+    def over(self, emitted: torch.Tensor) -> ForwardBatch:
+        """The first pass's batch over ``emitted [B, k+1]`` int64, each verified position's token."""
+        ids = emitted.flatten()
+        return replace(self.batch, input_ids=ids if self.index is None else ids[self.index])
 
 
 def verify_inputs(
@@ -57,10 +80,12 @@ def verify_inputs(
     runner: GraphRunner | None = None,
     cache: KVCache | None = None,
     adjust: bool = True,
+    lookahead: RowSpans | None = None,
 ) -> VerifyInputs:
     """The verify step's inputs, in one copy with the plan of the graph runner's forward (graph mode's ``runner``),
     else with the eager forward's layout over ``cache`` (the target's; `RaggedLayout.stage`). ``adjust=False``
     leaves the penalties out (``adjustments`` None): async scheduling builds them once the rows' tokens are known.
+    ``lookahead``: the rows of a lookahead proposal's first pass (`Lookahead`; graph mode), planned in the same copy.
 
     Row ``b`` feeds its tokens from position ``held[b]`` (what its target cache holds) and its drafts: a
     running row ``[t_last, *drafts]`` from ``len(tokens) - 1``; a new row its whole prompt, or what follows a
@@ -92,9 +117,10 @@ def verify_inputs(
         drafts=staging.int64([t for row in padded for t in row[:k]]).view(len(full), k),
         adjustments=sampling.adjustments(full, vocab_size, device, staging) if adjust else None,
         sampling=sampling.sampling_tensors(full, device, staging),
+        lookahead=None if lookahead is None else _lookahead(lookahead, k, device, staging),
     )
     if runner is not None:
-        runner.stage_forward(spans, staging)
+        runner.stage_forward(spans, staging, lookahead)
     elif cache is not None:
         RaggedLayout.stage(spans, cache, staging)
     staging.send()
@@ -103,6 +129,16 @@ def verify_inputs(
         batch.input_ids[to_ids] = values
         inputs.drafts.view(-1)[to_drafts] = values
     return inputs
+
+
+def _lookahead(spans: RowSpans, k: int, device: torch.device, staging: Staging) -> Lookahead:
+    """The `Lookahead` over ``spans`` (row b: its m_b + 1 emitted tokens' positions) after a verify of k + 1
+    outputs per row, staged."""
+    placeholder = torch.empty(sum(spans.lengths), dtype=torch.int64, device=device)
+    index = None
+    if any(n != k + 1 for n in spans.lengths):
+        index = staging.int64([b * (k + 1) + j for b, n in enumerate(spans.lengths) for j in range(n)])
+    return Lookahead(ForwardBatch.build(placeholder, spans, staging=staging), index)
 
 
 def _drafts_on_device(
@@ -189,7 +225,7 @@ def draft_batch(
     hidden_index = None if hidden_all is None else staging.int64(hidden_rows)
     adjustments = None if vocab_size is None else sampling.adjustments(live, vocab_size, device, staging)
     if runner is not None and num_steps > 0:
-        runner.stage_draft(spans, num_steps, staging)
+        runner.stage_draft(spans, num_steps, staging, by_step=adjustments is not None)
     elif cache is not None and num_steps > 0:
         RaggedLayout.stage(spans, cache, staging, num_steps)
     staging.send()

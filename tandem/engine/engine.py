@@ -55,14 +55,16 @@ enough work per op to spread well over several threads.
 Device reads: a step reads results back from the device once, by design, one read for every row: at commit
 (the acceptance result). A chained draft's proposal stays on the device (`Request.drafts_on_device`: the next verify
 takes the values there) unless host work reads it: a grammar row's walk, or the thinking phases relaxed acceptance
-reads; then the drafts are a second read after propose. Drafting under the grammar pass by pass (eager mode) adds one
-read per drafted position (its matcher runs on the host), and `logprobs` one at commit. Batches carry their rows'
-spans as Python ints and caches keep their lengths on the host, so no forward reads the device back
+reads; then the drafts are a second read after propose. A lookahead proposal (graph mode on CUDA: `_lookahead`, the
+draft proposing before the commit) is read with the acceptance result, one read whatever the rows. Drafting under
+the grammar pass by pass (eager mode) adds one read per drafted position (its matcher runs on the host), and
+`logprobs` one at commit. Batches carry their rows' spans as Python ints and caches keep their lengths on the host,
+so no forward reads the device back
 (`tests/models/test_host_planning.py` runs the providers on the meta device to hold that), and every host-to-device
 copy goes through pinned memory without waiting (`tandem.core.transfer`; `tests/engine/test_device_reads.py` counts
 the reads of a step on CUDA). What the verify needs (batch, graph plan, drafts, penalties) and what the proposal needs
 each travel in one staged copy (`batching`; sampling tables too), so a step copies to the device twice, greedy or
-sampled (`tests/engine/test_step_copies.py` counts them).
+sampled, once with a lookahead proposal (`tests/engine/test_step_copies.py` counts them).
 
 Async scheduling (`EngineConfig.async_scheduling`, `in_flight`): a plain decode step's forward is launched before
 the previous step's tokens are read, fed them on the device; its read then waits for that previous step only, its
@@ -74,6 +76,7 @@ By default it is on where it was measured to pay: a plain engine on one CUDA dev
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import random
 import time
@@ -83,14 +86,21 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core.transfer import int64_tensor
-from tandem.decoding.acceptance import AcceptanceResult, accept, accept_argmax
+from tandem.decoding.acceptance import AcceptanceResult, accept, accept_argmax, accepted_counts
 from tandem.decoding.logprobs import TokenLogprob, logprob_tensors, token_logprobs
 from tandem.decoding.params import RelaxedAcceptance, SamplingParams, SamplingTensors
 from tandem.decoding.sampling import PLACEHOLDER_TOKEN_ID, forbid_ids_from, sample
 from tandem.engine import sampling
 from tandem.engine.adaptive import AdaptivePolicy, CostModel, draft_passes
-from tandem.engine.batching import VerifyInputs, defer_draft, draft_batch, forced_draft_probs, verify_inputs
-from tandem.engine.graphs import GraphRunner, resolve_capture_sizes, resolve_graph_mode
+from tandem.engine.batching import (
+    Lookahead,
+    VerifyInputs,
+    defer_draft,
+    draft_batch,
+    forced_draft_probs,
+    verify_inputs,
+)
+from tandem.engine.graphs import GraphRunner, resolve_capture_sizes, resolve_graph_mode, resolve_lookahead
 from tandem.engine.in_flight import InFlight, resolve_async_scheduling
 from tandem.engine.kv_blocks import BlockPool, KVStats
 from tandem.engine.mask_pipeline import MaskPipeline
@@ -131,6 +141,7 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS: generation_config.json's (engine/stop.py)
     max_num_batched_tokens: int | None = 2048  # tokens one step feeds; longer prefills go in chunks (None: whole)
     async_scheduling: bool | None = None  # launch plain decode steps ahead of their reads (None: where it pays)
+    lookahead: bool | None = None  # chained drafts propose before the verify is read (`Engine._lookahead`; None: CUDA)
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "max_num_seqs", "max_model_len", "block_size", "max_num_batched_tokens"):
@@ -222,10 +233,15 @@ class Engine:
                 max_chain=self.k,
                 vocab_limit=self.vocab_limit,
             )
-            # Over several ranks graphs build on first use: the ranks build theirs as they follow the driver's steps.
+        self.lookahead = resolve_lookahead(config.lookahead, self.device, self.runner, parallel=workers is not None)
+        self.lookahead_steps = 0  # steps whose proposal ran as a lookahead
+        if self.runner is not None:
             at_start = self.device.type == "cuda" if config.capture_at_start is None else config.capture_at_start
+            # Over several ranks graphs build on first use: the ranks build theirs as they follow the driver's steps.
             if at_start and workers is None:
-                self.runner.capture(**self._hidden_outputs, vocab_limit=self._draft_vocab_limit)
+                self.runner.capture(
+                    **self._hidden_outputs, vocab_limit=self._draft_vocab_limit, lookahead=self.lookahead
+                )
         if workers is not None:
             compiled = self.runner is not None
             layout = CacheLayout(
@@ -378,7 +394,27 @@ class Engine:
             runner=self.runner,
             cache=self.target_cache,
             adjust=adjust,
+            lookahead=self._lookahead_rows(rows, k, held, ends),
         )
+
+    def _lookahead_rows(
+        self, rows: list[Request], k: int, held: list[int], ends: list[int | None] | None
+    ) -> RowSpans | None:
+        """The draft's rows for a lookahead proposal after this step's verify (`_lookahead`), None when it proposes
+        after the commit: each row decodes (no prompt or chunk to prefill, nothing the draft has not taken), no row
+        adjusts its logits (the chain graph proposes without penalties), and the first pass and the chain fit a
+        graph and the rows' blocks."""
+        if not self.lookahead or k == 0 or (ends is not None and any(end is not None for end in ends)):
+            return None
+        for r, start in zip(rows, held):
+            if start != len(r.tokens) - 1 or r.undrafted is not None or r.params.adjusts_logits:
+                return None
+        spans = RowSpans([start + 1 for start in held], [len(r.drafts) + 1 for r in rows], [r.slot for r in rows])
+        table = self.target_cache.table
+        for end, slot in zip(spans.ends(), spans.slots):  # the chain writes up to k - 1 positions past the first pass
+            if end + self.k - 1 > min(table.max_len, table.capacity(slot)):
+                return None
+        return spans if self.runner.fits(spans) else None
 
     def _adaptive(self) -> bool:
         return self.policy is not None and self.config.adaptive
@@ -531,7 +567,8 @@ class Engine:
             if k < self.k:  # masks are built for k drafts; this step verifies fewer
                 bitmask = None if bitmask is None else bitmask[:, : k + 1]
                 in_thinking = None if in_thinking is None else in_thinking[:, : k + 1]
-            result = self._accept(full, scores, drafts, bitmask, in_thinking, inputs.sampling, greedy)
+            ahead = None if inputs.lookahead is None else functools.partial(self._lookahead, inputs.lookahead, out)
+            result = self._accept(full, scores, drafts, bitmask, in_thinking, inputs.sampling, greedy, ahead)
 
             def logprobs_of(b: int, emitted: list[int]) -> list[TokenLogprob]:  # from the positions that emitted them
                 return token_logprobs(logits[b, : len(emitted)], emitted, full[b].params.logprobs)
@@ -542,7 +579,9 @@ class Engine:
             self.policy.cost.observe(batch.num_tokens, seconds)
         self._step_timed = seconds  # `_draft_proposal` adds the proposal's
         if self.draft is not None:
-            self._propose([r for r in full if r.output.finish_reason is None], rows, out, batch)
+            live = [b for b, r in enumerate(full) if r.output.finish_reason is None]
+            proposed = None if not full or result.carried is None else [result.carried[b] for b in live]
+            self._propose([full[b] for b in live], rows, out, batch, proposed)
         if chunked and self.draft_cache is not None:
             self._fill_draft([rows[b] for b in chunked], rows, out, batch)
         self._register_blocks(rows)
@@ -675,20 +714,26 @@ class Engine:
         in_thinking: torch.Tensor | None,
         settings: SamplingTensors | None,
         greedy: torch.Tensor | None = None,
+        ahead: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> AcceptanceResult:
         """Step 4 over the adjusted logits `scores` [B, k+1, V], the drafts [B, k] and the rows' sampling `settings`
         (staged with the verify batch: `VerifyInputs.sampling`) on the device. `greedy` [B, k+1]: the argmaxes of
         unadjusted logits where the forward chose them (`TargetOutput.greedy`), which decide a greedy step without
-        masks or relaxed positions: no kernel of its own then."""
+        masks or relaxed positions: no kernel of its own then. `ahead(emitted [B, k+1], accepted [B])` (k > 0):
+        launches a proposal from the decided tokens on the device (`_lookahead`), read with the result
+        (`AcceptanceResult.carried`)."""
         k = scores.shape[1] - 1
         relaxed = self.config.relaxed is not None and in_thinking is not None
         if greedy is not None and settings is None and bitmask is None and not relaxed:
-            return AcceptanceResult.without_drafts(greedy[:, 0]) if k == 0 else accept_argmax(greedy, drafts)
+            if k == 0:
+                return AcceptanceResult.without_drafts(greedy[:, 0])
+            carry = None if ahead is None else ahead(greedy, accepted_counts(greedy, drafts))
+            return accept_argmax(greedy, drafts, carry)
         if k == 0:  # the plain path: `sample` is `accept` without drafts, minus the verification work
             return AcceptanceResult.without_drafts(
                 sample(scores[:, 0], settings, None if bitmask is None else bitmask[:, 0])
             )
-        return accept(
+        result = accept(
             scores,
             drafts,
             draft_probs=sampling.draft_probs(rows, k, scores.shape[-1], self.device),
@@ -697,6 +742,23 @@ class Engine:
             in_thinking=in_thinking,
             relaxed=self.config.relaxed,
         )
+        return result if ahead is None else result.read_with(ahead(result.tokens.clamp(min=0), result.num_accepted))
+
+    def _lookahead(self, lookahead: Lookahead, out: TargetOutput, emitted: torch.Tensor, accepted: torch.Tensor):
+        """Launch the draft's proposal of k tokens per row right after the acceptance, before the host reads it (a
+        graph-mode step is bound by the host: the draft's batch was staged with the verify's, and no host work stands
+        between the verify and the proposal). Its first pass runs over each row's verified positions, fed the tokens
+        emitted there (`emitted [B, k+1]`; those past the row's accepted drafts and the token after them are never
+        committed) and the verify's hidden states; the chain goes on from each row's output at its `accepted [B]`
+        drafts, all on the device. Returns the proposal ``[B, k]``; the rows that go on draft its chosen prefix
+        (`_propose`). The first pass writes the draft's entries of the committed tokens as a proposal after the
+        commit does, and entries past them that the next proposal rewrites."""
+        batch = lookahead.over(emitted)
+        self.draft_cache.truncate(batch.spans.slots, batch.spans.starts)
+        chain = functools.partial(self.runner.draft_chain, start=accepted)
+        inp = DraftInput(batch, self._draft_hidden(out), None, vocab_limit=self._draft_vocab_limit, chain=chain)
+        self.lookahead_steps += 1
+        return self._run_draft(inp, self.k).tokens
 
     def _commit(
         self,
@@ -741,28 +803,31 @@ class Engine:
                     self.policy.forget(r.request_id)
         return deltas
 
-    def _propose(self, live: list[Request], rows: list[Request], out, batch: ForwardBatch) -> None:
+    def _propose(
+        self, live: list[Request], rows: list[Request], out, batch: ForwardBatch, ahead: list[list[int]] | None = None
+    ) -> None:
         """Step 6: give each live row's newly committed tokens and their hidden states to the draft; a row's
         drafts are then its chosen prefix of the proposal and, where its grammar forces them, the forced
-        tokens that follow (`_choose_drafts`)."""
+        tokens that follow (`_choose_drafts`). `ahead`: the live rows' proposals, which the draft made ahead of
+        the commit (`_lookahead`), all its tokens taken."""
         if not live:
             return
         keep = None
         if self._adaptive():
             keep = self.policy.choose([r.request_id for r in live], [r.params.temperature > 0 for r in live])
-        run_draft = not (keep is not None and not any(keep) and self._draft_skippable)
-        if not run_draft and self.draft.hidden_kind is not None:
+        run_draft = ahead is None and not (keep is not None and not any(keep) and self._draft_skippable)
+        if not run_draft and ahead is None and self.draft.hidden_kind is not None:
             defer_draft(live, rows, batch, self._draft_hidden(out))
         forcing = self.forced_drafts and self.step_masks.has_grammar(live)
-        if not run_draft and not forcing:
+        if not run_draft and ahead is None and not forcing:
             return  # no row drafts: the next step is the plain step
         budgets = [draft_budget(r, self.max_drafts, self.config.max_model_len) for r in live]
         limits = [min(budget, self.k if keep is None else keep[b]) for b, budget in enumerate(budgets)]
         follows = self._follows_grammar
         walk = self.step_masks.walk(live) if follows or forcing else None
-        proposed, probs = [[] for _ in live], None
+        proposed, probs = ([[] for _ in live] if ahead is None else ahead), None
         # The draft proposes as far as the row that drafts most (its first pass always, if the ranks run it).
-        passes = self.k if keep is None else draft_passes(max(keep), self.policy.draft_always)
+        passes = self.k if keep is None or ahead is not None else draft_passes(max(keep), self.policy.draft_always)
         try:
             if run_draft and self._proposes_by_row:
                 drafting = [b for b, limit in enumerate(limits) if limit > 0]
@@ -786,7 +851,8 @@ class Engine:
         finally:
             if walk is not None:
                 walk.finish()
-        self._choose_drafts(live, proposed, probs, limits, budgets, walk, forcing, passes if run_draft else 0)
+        drafted = run_draft or ahead is not None
+        self._choose_drafts(live, proposed, probs, limits, budgets, walk, forcing, passes if drafted else 0)
 
     def _draft_proposal(
         self,
@@ -839,7 +905,8 @@ class Engine:
         on_device = not read and proposal.probs is None
         proposed = proposal.tokens if on_device else proposal.tokens.tolist()  # one read of the device for every row
         seconds = self._elapsed(mark) if usual else None
-        if self._adaptive() and seconds is not None:
+        # With lookahead proposals a verify's timing holds its proposal's: the policy's draft(J) stays 0 (adaptive.py).
+        if self._adaptive() and seconds is not None and not self.lookahead:
             self.policy.observe_draft_time(seconds, passes)
         self._step_timed = None if seconds is None or self._step_timed is None else self._step_timed + seconds
         return proposed, proposal.probs

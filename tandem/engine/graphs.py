@@ -18,9 +18,13 @@ tokens write the scratch block, so they never touch a real row's cache.
 A chained draft's greedy proposal for rows without constraint or adjustments is one graph of all its steps
 (``draft_chain``, keyed by bucket, width and length): each step's head and argmax feed the next inside it, so the
 host launches one replay per proposal instead of a replay per step and the head and argmax between them. The
-steps after the first read plans of one token per row (``chain_plan``), staged with the first's. The target's
-graph returns its greedy tokens besides its logits (the argmax below ``vocab_limit``, `TargetOutput.greedy`), so a
-step of free greedy rows launches no sampling kernel after the replay.
+steps after the first plan themselves inside the graph: one token per row at the position after the last, written
+where the block table puts it. The chain starts from each row's last token's output, or, for a lookahead proposal
+(``draft_chain(..., start=...)``, `Engine._lookahead`), from the output at a per-row index the device computed:
+the draft's first pass then runs over every verified position's emitted token before the host knows how many
+were accepted, and the chain goes on from the last accepted one. The target's graph returns its greedy tokens
+besides its logits (the argmax below ``vocab_limit``, `TargetOutput.greedy`), so a step of free greedy rows
+launches no sampling kernel after the replay.
 
 Over several ranks each rank runs its own runner, over the shapes the driver's runs (every rank sees the same
 spans, so they build and replay the same graphs at the same steps and meet in the collectives inside them).
@@ -92,6 +96,27 @@ def resolve_capture_sizes(sizes: Sequence[int] | None, max_num_seqs: int) -> tup
     return tuple(sorted(set(sizes)))
 
 
+def resolve_lookahead(
+    setting: bool | None, device: torch.device, runner: GraphRunner | None, *, parallel: bool
+) -> bool:
+    """Whether an engine's chained draft proposes as a lookahead (``EngineConfig.lookahead``, `Engine._lookahead`):
+    launched right after the verify, from its emitted tokens, before the host reads them.
+
+    It needs graph mode's chain graph (a chained draft: EAGLE, EAGLE-3, MTP; one device). None turns it on on
+    CUDA, where a graph-mode step is bound by the host and the lookahead takes the draft's batch and its staged copy
+    off the host's path; on the CPU the host is the device, and its first pass over every verified position costs
+    compute there (README, "Graph mode"). True without the chain graph raises ``ValueError``."""
+    possible = runner is not None and runner.draft_chain is not None and not parallel
+    if setting is None:
+        return possible and device.type == "cuda"
+    if setting and not possible:
+        raise ValueError(
+            "lookahead proposals run a chained draft's proposal as one graph: they need graph_mode='compiled', a "
+            "chained draft (eagle, eagle3, mtp) and one device"
+        )
+    return setting
+
+
 # Runs one shape's graph over its arguments (the buffers' views) and returns its outputs.
 Graph = Callable[[tuple], object]
 
@@ -159,15 +184,11 @@ class GraphRunner:
         self.longest_chains = self.cuda  # every chain as long as the longest proposal (`_chain`)
         dtype = target_cache.layers[0].dtype  # the target's: its hidden states fill the draft's input buffer
         self.hidden = torch.zeros(tokens, target.hidden_size, dtype=dtype, device=self.device) if chained else None
-        # The plans of a chain's passes after its first: positions, write indices and slots of one token per row.
-        self.chain_plan = (
-            torch.zeros(max(max_chain - 1, 0), 3 * self.buckets[-1], dtype=torch.int64, device=self.device)
-            if chained
-            else None
-        )
+        # A lookahead chain's start: each row's index, in its first pass, of the output the chain goes on from.
+        self.chain_start = torch.zeros(self.buckets[-1], dtype=torch.int64, device=self.device)
         self.graph_bytes = sum(
             t.numel() * t.element_size()
-            for t in (self.input_ids, self.plan, self.hidden, self.chain_plan)
+            for t in (self.input_ids, self.plan, self.hidden, self.chain_start)
             if t is not None
         )
         self.compile_s, self.fallbacks, self.replays = 0.0, 0, 0
@@ -219,27 +240,35 @@ class GraphRunner:
         cache: KVCache,
         k: int,
         vocab_limit: int | None = None,
+        start: Tensor | None = None,
     ) -> Tensor | None:
         """A chained draft's whole greedy proposal (``tandem.models.drafts.chained.propose_chained`` without
         constraint or adjustments) as one graph: its first step over ``batch`` and ``hidden [T, H]``, then ``k - 1``
         steps of one token per row, each the argmax of the draft's ``target_logits`` over the last one's output
         (below ``vocab_limit``, None: every id); ``[B, k]`` int64, or None when the rows fit no bucket or ``k``
         exceeds :attr:`max_chain`. The chain may run further than ``k`` (:meth:`_chain`); its cache entries
-        past the proposal are rewritten later."""
+        past the proposal are rewritten later.
+
+        ``start [B]`` int64 on the device (a lookahead proposal): the chain goes on from each row's output at that
+        index of its tokens instead of its last, at the position after it; the host's lengths are set as if it went
+        on from the last (the furthest the chain may write), and the next proposal truncates them."""
         shape = self._shape(batch.spans)
         if shape is None or k > self.max_chain:
             return None
-        rows, first_position = shape[0], cache.first_position
+        rows = shape[0]
         chain = self._chain(batch.spans, k, cache)
         for spans in chain:
             cache.begin_forward(spans)
-        grid = self._load(batch, shape, first_position)
-        for i, spans in enumerate(chain[1:]):  # their plans' grid part (rows in order) is not needed
-            self.chain_plan[i, : 3 * rows].copy_(self._plan_tensor(spans, (rows, 1), first_position)[: 3 * rows])
-        extra = (self._hidden(hidden, shape, grid), self.chain_plan[: len(chain) - 1, : 3 * rows])
-        tokens = self._run(
-            ("chain", *shape, len(chain), vocab_limit), self._chain_body(vocab_limit), chain[-1], shape, cache, extra
-        )
+        grid = self._load(batch, shape, cache.first_position)
+        extra = (self._hidden(hidden, shape, grid),)
+        if start is not None:
+            starts = self.chain_start[:rows]
+            starts[batch.num_rows :].zero_()
+            starts[: batch.num_rows].copy_(start)
+            extra = (*extra, starts)
+        key = ("chain", *shape, len(chain), vocab_limit, start is not None)
+        body = self._chain_body(vocab_limit, len(chain), start is not None)
+        tokens = self._run(key, body, chain[-1], shape, cache, extra)
         return tokens[: batch.num_rows, :k].clone()  # the graph's output buffer is rewritten at its next replay
 
     def _chain(self, spans: RowSpans, k: int, cache: KVCache) -> list[RowSpans]:
@@ -268,17 +297,25 @@ class GraphRunner:
         return inputs
 
     # ---------------------------------------------------------------- at start
-    def capture(self, *, return_hidden: bool = False, return_aux: bool = False, vocab_limit: int | None = None) -> None:
+    def capture(
+        self,
+        *,
+        return_hidden: bool = False,
+        return_aux: bool = False,
+        vocab_limit: int | None = None,
+        lookahead: bool = False,
+    ) -> None:
         """Build ahead, before any request, the graphs a step replays (as vLLM captures at start), so that none is
         built while requests wait: at every bucket and width the target's forward (returning the hidden states
         the draft reads: ``return_hidden``, ``return_aux``) and a chained draft's step and whole proposal (its
-        longest chain, below ``vocab_limit``). They run over padding rows meanwhile (the scratch slot's block).
+        longest chain, below ``vocab_limit``, from each row's last token and, with ``lookahead``, from a start the
+        device chose). They run over padding rows meanwhile (the scratch slot's block).
 
         On the CPU a graph is also specialised to the torch threads it runs with: these are built with the
         current ones, so steps that run with others (``EngineConfig.small_step_threads``) build theirs later."""
         target_body = self._target_body(return_hidden, return_aux)
         draft_body = None if self.draft_step is None else self._draft_body()
-        chain_body = None if self.draft_chain is None else self._chain_body(vocab_limit)
+        chain = self.draft_chain is not None
         # The largest first, as vLLM captures: a smaller graph's capture reuses the pool memory a larger one freed.
         for shape in itertools.product(reversed(self.buckets), reversed(self.widths)):
             rows, width = shape
@@ -289,11 +326,11 @@ class GraphRunner:
             cache, hidden = self.draft_cache, self.hidden[: rows * width]
             padding = self._load_padding(shape, cache)
             self._run(("draft", *shape), draft_body, padding, shape, cache, (hidden,))
-            if chain_body is not None:
-                plans = self.chain_plan[: self.max_chain - 1, : 3 * rows]
-                plans.copy_(self._padding_plan((rows, 1), cache.first_position))
-                key = ("chain", *shape, self.max_chain, vocab_limit)
-                self._run(key, chain_body, padding, shape, cache, (hidden, plans))
+            for ahead in ((False, True) if lookahead else (False,)) if chain else ():
+                starts = self.chain_start[:rows].zero_()
+                key = ("chain", *shape, self.max_chain, vocab_limit, ahead)
+                body = self._chain_body(vocab_limit, self.max_chain, ahead)
+                self._run(key, body, padding, shape, cache, (hidden, starts) if ahead else (hidden,))
 
     def _load_padding(self, shape: tuple[int, int], cache: KVCache) -> RowSpans:
         """Fill the buffers with a step over ``cache`` of padding rows only; returns a padding row's span, which sets a
@@ -307,21 +344,32 @@ class GraphRunner:
         return torch.tensor(self._plan(RowSpans([], [], []), shape, first_position))
 
     # ---------------------------------------------------------------- host planning
-    def stage_forward(self, spans: RowSpans, staging: Staging) -> None:
+    def stage_forward(self, spans: RowSpans, staging: Staging, lookahead: RowSpans | None = None) -> None:
         """Plan the target forward over ``spans`` ahead: its plan (and the block table, if it changed) travels in
-        ``staging``'s copy, which must be sent before the forward. Replaces what was staged before."""
+        ``staging``'s copy, which must be sent before the forward. Replaces what was staged before. ``lookahead``:
+        the rows of a lookahead proposal's first pass after it (the draft's), planned in the same copy."""
         self._stage([spans], self.target_cache, staging)
+        if lookahead is not None:
+            self._stage([lookahead], self.draft_cache, staging, keep=True)
 
-    def stage_draft(self, spans: RowSpans, num_steps: int, staging: Staging) -> None:
+    def stage_draft(self, spans: RowSpans, num_steps: int, staging: Staging, *, by_step: bool = False) -> None:
         """Plan ahead a chained proposal's ``num_steps`` draft steps (its chain's, :meth:`_chain`): the first
         over ``spans``, each next one a token per row past the last (``ForwardBatch.following``), as
-        :meth:`stage_forward` does."""
-        chained = self.draft_step is not None  # a draft that is not chained runs no graph
-        self._stage(self._chain(spans, num_steps, self.draft_cache) if chained else [], self.draft_cache, staging)
+        :meth:`stage_forward` does. The chain graph plans its steps after the first itself: those are planned here
+        only for a proposal that runs step by step (``by_step``: rows with penalties choose each token on the host;
+        no chain graph, or none holds the first step)."""
+        if self.draft_step is None:  # a draft that is not chained runs no graph
+            chain = []
+        elif by_step or self.draft_chain is None or not self.fits(spans):
+            chain = self._chain(spans, num_steps, self.draft_cache)
+        else:
+            chain = [spans]
+        self._stage(chain, self.draft_cache, staging)
 
-    def _stage(self, chain: list[RowSpans], cache: KVCache | None, staging: Staging) -> None:
+    def _stage(self, chain: list[RowSpans], cache: KVCache | None, staging: Staging, *, keep: bool = False) -> None:
         self.table.sync(staging)
-        self._staged = {}
+        if not keep:
+            self._staged = {}
         for spans in chain:
             shape = self._shape(spans)
             if shape is not None:
@@ -331,6 +379,10 @@ class GraphRunner:
     def _plan_key(self, spans: RowSpans, first_position: int) -> tuple:
         """What a plan depends on: the rows, the cache's first position and the block table's rows."""
         return tuple(spans.starts), tuple(spans.lengths), tuple(spans.slots), first_position, self.table.version
+
+    def fits(self, spans: RowSpans) -> bool:
+        """Whether a forward or a draft step over ``spans`` runs a graph (a bucket and a width hold its rows)."""
+        return self._shape(spans) is not None
 
     def _shape(self, spans: RowSpans) -> tuple[int, int] | None:
         """``(bucket, width)`` of a step with these rows, or None when none fits."""
@@ -420,26 +472,30 @@ class GraphRunner:
 
         return body
 
-    def _chain_body(self, vocab_limit: int | None) -> Callable:
+    def _chain_body(self, vocab_limit: int | None, steps: int, lookahead: bool) -> Callable:
         draft = self.draft
 
-        def body(input_ids, positions, write_index, slots, tables, layers, key_start, block_size, hidden, chain_plan):
-            """The first step over the grid ``[B_bucket, Q]``, each row's last token's output (its positions rise
-            to the last real one: the first maximum), then a step per ``chain_plan`` row ``[B_bucket * 3]``."""
-            rows = positions.shape[0]
-            layout = RaggedLayout.static(positions, write_index, tables.index_select(0, slots), key_start, block_size)
+        def body(input_ids, positions, write_index, slots, tables, layers, key_start, block_size, hidden, *start):
+            """The first step over the grid ``[B_bucket, Q]``, then ``steps - 1`` of one token per row. The chain goes
+            on from each row's output at ``start [B_bucket]`` (a lookahead's), else at its last token (its positions
+            rise to the last real one: the first maximum); each next step at the position after the last, written
+            where the row's blocks put it (past them, and a padding row's: the scratch block, which a row's table
+            holds there)."""
+            rows, width = positions.shape
+            row_tables = tables.index_select(0, slots)
+            layout = RaggedLayout.static(positions, write_index, row_tables, key_start, block_size)
             out = draft.step_layout(layout, input_ids, positions.flatten(), hidden, layers)
-            last = positions.argmax(dim=1) + torch.arange(rows, device=positions.device) * positions.shape[1]
-            h, tokens = out[last], []
-            for plan in [*chain_plan, None]:
+            offsets = start[0] if lookahead else positions.argmax(dim=1)
+            last = offsets + torch.arange(rows, device=positions.device) * width
+            h, position, tokens = out[last], positions.flatten()[last], []
+            for step in range(steps):
                 tokens.append(_greedy(draft.target_logits(h), vocab_limit))
-                if plan is not None:
-                    step_positions, step_writes, step_slots = plan.view(3, rows)
-                    step_tables = tables.index_select(0, step_slots)
-                    layout = RaggedLayout.static(
-                        step_positions[:, None], step_writes, step_tables, key_start, block_size
-                    )
-                    h = draft.step_layout(layout, tokens[-1], step_positions, h, layers)
+                if step + 1 < steps:
+                    position = position + 1
+                    block = (position // block_size).clamp(max=tables.shape[1] - 1)
+                    writes = row_tables.gather(1, block[:, None])[:, 0] * block_size + position % block_size
+                    layout = RaggedLayout.static(position[:, None], writes, row_tables, key_start, block_size)
+                    h = draft.step_layout(layout, tokens[-1], position, h, layers)
             return torch.stack(tokens, dim=1)
 
         return body

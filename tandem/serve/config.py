@@ -22,7 +22,7 @@ class ServeConfig:
     """How `build_app` loads the model and how the app serves it.
 
     Engine (passed to `tandem.LLM`): revision (of a hub model name), num_speculative_tokens, adaptive,
-    max_num_seqs, graph_mode, async_scheduling (None: `tandem.LLM`'s default), and the paged KV cache's
+    max_num_seqs, graph_mode, async_scheduling and lookahead (None: `tandem.LLM`'s defaults), and the paged KV cache's
     kv_cache_memory (bytes; None: what max_num_seqs rows of the whole context need), block_size and
     enable_prefix_caching, and max_num_batched_tokens (the tokens one step verifies and prefills at most:
     longer prompts prefill in chunks), the parallel layout
@@ -49,6 +49,7 @@ class ServeConfig:
     max_num_seqs: int = 8
     graph_mode: str = "auto"
     async_scheduling: bool | None = None
+    lookahead: bool | None = None
     kv_cache_memory: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True

@@ -41,6 +41,7 @@ def build_app(
         max_num_seqs=config.max_num_seqs,
         graph_mode=config.graph_mode,
         async_scheduling=config.async_scheduling,
+        lookahead=config.lookahead,
         kv_cache_memory=config.kv_cache_memory,
         block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching,

@@ -1,5 +1,5 @@
-"""`--graph-mode`, `--adaptive` and `--async-scheduling` reach `tandem.LLM` from the commands that build one (the
-model is not loaded)."""
+"""`--graph-mode`, `--adaptive`, `--async-scheduling` and `--lookahead` reach `tandem.LLM` from the commands that
+build one (the model is not loaded)."""
 
 from __future__ import annotations
 
@@ -56,9 +56,12 @@ def test_an_unknown_graph_mode_is_refused(capsys):
         (["generate"], "async_scheduling", None),
         (["generate", "--no-async-scheduling"], "async_scheduling", False),
         (["serve", "--draft", "none", "--async-scheduling"], "async_scheduling", True),
+        (["generate"], "lookahead", None),
+        (["generate", "--no-lookahead"], "lookahead", False),
+        (["serve", "--lookahead"], "lookahead", True),
     ],
 )
-def test_the_adaptive_and_async_scheduling_flags_reach_the_llm(llm_kwargs, argv, setting, value):
+def test_the_adaptive_async_scheduling_and_lookahead_flags_reach_the_llm(llm_kwargs, argv, setting, value):
     with pytest.raises(Built):
         main(argv)
     assert [kwargs[setting] for kwargs in llm_kwargs] == [value]

@@ -51,8 +51,9 @@ def _device_reads(engine) -> list[str]:
 )
 def test_a_speculative_step_reads_the_device_once(model, draft, dtype, graph_mode, schema, batch):
     """At a fixed k (adaptive speculation may choose no drafts: test_a_step_without_drafts_reads_the_device_once).
-    A schema row's step reads its drafts too, which its grammar walks: once when the draft proposes through the chain
-    graph (compiled), once per drafted position when it drafts under the grammar pass by pass (eager)."""
+    A schema row's step reads its drafts too, which its grammar walks: with the acceptance result when the draft
+    proposes ahead of the read (compiled: CUDA's lookahead proposals), once per drafted position when it drafts
+    under the grammar pass by pass (eager)."""
     llm = LLM(
         model,
         draft,
@@ -73,8 +74,8 @@ def test_a_speculative_step_reads_the_device_once(model, draft, dtype, graph_mod
     while len(engine.scheduler.running) < batch:  # grammars compile off the step loop; then prefills, first proposals
         engine.step()
     engine.step()  # first speculative step: allocations and caches warm
-    # Schema: the acceptance result and the proposal, and eagerly each of the k passes' tokens the walk advances by.
-    expected = 1 if not schema else 2 if graph_mode == "compiled" else 2 + 4
+    # Schema, eagerly: the acceptance result and the proposal, and each of the k passes' tokens the walk advances by.
+    expected = 1 if not schema or graph_mode == "compiled" else 2 + 4
     checked = 0
     for _ in range(3):
         reads = _device_reads(engine)

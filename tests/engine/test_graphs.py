@@ -209,6 +209,53 @@ def test_a_chain_never_proposes_past_the_vocabulary_limit(models):
     assert all(token < limit for tokens, _, _ in stats["eager"] for token in tokens)
 
 
+@pytest.mark.parametrize("schema", [False, True], ids=["free", "schema"])
+@pytest.mark.parametrize("name, draft", PAIRS)
+def test_a_lookahead_proposes_what_a_proposal_after_the_commit_does(models, name, draft, schema):
+    """A lookahead proposal (`Engine._lookahead`: the draft's first pass over every verified position, fed the tokens
+    emitted there, launched before the host reads the verify; its chain from each row's accepted drafts) proposes what
+    a proposal after the commit does: at a fixed k every request takes the same steps, accepts the same drafts and
+    emits the same tokens, with a JSON schema too (acceptance under masks decides on the device), and the steps
+    after the prefills ran as lookaheads."""
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, json_schema=TASK_FAMILIES[e.family].schema if schema else None)
+        for e in EXAMPLES
+    ]
+    stats = {}
+    for lookahead in (True, False):
+        engine = _engine(models, name, draft, adaptive=False, lookahead=lookahead)
+        stats[lookahead] = _outcomes(engine, params)
+        assert (engine.lookahead_steps > 0) == lookahead
+    assert stats[True] == stats[False]
+    assert sum(accepted for _, _, accepted in stats[True]) > 0
+
+
+def test_a_lookahead_over_rows_of_unequal_drafts_gives_plain_greedy_tokens(models, monkeypatch):
+    """Rows that verify different numbers of drafts (adaptive speculation's choices, here cycled: 0 to 4, one row
+    none while the other drafts four) feed the lookahead's first pass their own verified positions only: plain
+    greedy's tokens. A row with a penalty makes the step propose after the commit (the chain graph proposes
+    without penalties), and seeded sampled rows draw the tokens they draw without lookaheads."""
+    engine = _engine(models, "demo-llama", "eagle3", lookahead=True)
+    choices = itertools.cycle([[4, 0], [1, 3], [2, 2], [0, 4], [3, 1]])
+    monkeypatch.setattr(engine.policy, "choose", lambda ids, pinned=None: next(choices)[: len(ids)])
+    params = [SamplingParams(max_tokens=24) for _ in EXAMPLES]
+    assert _generate(engine, params) == _generate(_engine(models, "demo-llama", None), params)
+    assert engine.lookahead_steps > 0
+    mixed = [SamplingParams(max_tokens=MAX_TOKENS), SamplingParams(max_tokens=MAX_TOKENS, presence_penalty=0.5)]
+    sampled = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7 + i) for i in range(2)]
+    for params in (mixed, sampled):
+        ahead = _engine(models, "demo-llama", "eagle3", lookahead=True, adaptive=False)
+        tokens = _generate(ahead, params)
+        assert tokens == _generate(_engine(models, "demo-llama", "eagle3", lookahead=False, adaptive=False), params)
+        assert (ahead.lookahead_steps > 0) == (params is sampled)
+
+
+def test_lookahead_needs_a_chain_graph(models):
+    with pytest.raises(ValueError, match="lookahead proposals"):
+        _engine(models, "demo-llama", "eagle3", graph_mode="eager", lookahead=True)
+    assert not _engine(models, "demo-llama", "eagle3").lookahead  # None: on CUDA only
+
+
 @pytest.mark.parametrize("name, draft", [("demo-llama", "eagle3"), ("demo-deepseek", "mtp")])
 def test_graphs_built_at_start_serve_every_step(models, name, draft):
     """`capture_at_start` (CUDA's default) builds before any request the target's forward, the draft's step and its
@@ -285,6 +332,7 @@ def test_cuda_graphs_replay_the_eager_tokens_across_buckets(name, draft, dtype):
         if mode == "compiled":
             assert {key[1] for key in captured} == {1, 2} and engine.runner.graph_bytes > 0
             assert set(engine.runner._graphs) == captured
+            assert (engine.lookahead_steps > 0) == (drafted is not None)  # CUDA's default: lookahead proposals
     assert outputs["compiled", draft] == outputs["compiled", None]
     if dtype == torch.float32:
         assert outputs["compiled", draft] == outputs["eager", draft]
@@ -306,7 +354,24 @@ def test_a_replayed_step_reads_the_device_once(name, draft, dtype):
     for _ in range(3):
         reads = _device_reads(engine)
         assert len(reads) == 1, "\n".join(reads)
-    assert engine.runner.replays > 0
+    assert engine.runner.replays > 0 and engine.lookahead_steps >= 3
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name, draft, dtype", GPU_PAIRS)
+def test_cuda_lookahead_proposes_what_a_proposal_after_the_commit_does(name, draft, dtype):
+    """Through captured graphs, a lookahead proposal (CUDA's default) and a proposal after the commit: the same steps,
+    accepted drafts and tokens at a fixed k, for a JSON-schema row (acceptance under masks on the device) beside a
+    seeded sampled one."""
+    schema = TASK_FAMILIES[EXAMPLES[0].family].schema
+    params = [SamplingParams(max_tokens=40, json_schema=schema), SamplingParams(max_tokens=40, temperature=0.8, seed=3)]
+    outcomes = {}
+    for lookahead in (True, False):
+        engine = _cuda_llm(name, draft, dtype, "compiled", adaptive=False, lookahead=lookahead).engine
+        outcomes[lookahead] = _outcomes(engine, params)
+        assert (engine.lookahead_steps > 0) == lookahead
+    assert outcomes[True] == outcomes[False]
 
 
 @pytest.mark.gpu

@@ -79,11 +79,11 @@ FILTERED = SamplingParams(
 BOUNDS = {None: 1, "eagle3": 2}
 
 
-def _started(models, draft: str | None, graph_mode: str, params: list[SamplingParams]) -> Engine:
+def _started(models, draft: str | None, graph_mode: str, params: list[SamplingParams], **settings) -> Engine:
     """An engine running a row per ``params`` past its prefill and the steps that build its graphs."""
     target, draft_model, tokenizer = models("demo-llama", draft)
     config = EngineConfig(
-        max_num_seqs=4, max_model_len=384, graph_mode=graph_mode, capture_sizes=(1, 2, 4), adaptive=False
+        max_num_seqs=4, max_model_len=384, graph_mode=graph_mode, capture_sizes=(1, 2, 4), adaptive=False, **settings
     )
     engine = Engine(target, draft_model, tokenizer, config)
     prompt = chat_prompt_ids(tokenizer, EXAMPLE.messages, EXAMPLE.tools)
@@ -102,6 +102,17 @@ def test_a_compiled_step_copies_to_the_device_once_per_phase(models, monkeypatch
     counts = _step_copies(monkeypatch, engine, 6)
     assert engine.runner.replays >= replays + 6  # every counted step replayed its graphs
     assert max(counts) <= BOUNDS[draft], counts
+
+
+def test_a_lookahead_step_copies_to_the_device_once(models, monkeypatch):
+    """A lookahead proposal's first pass is planned with the verify (`batching.Lookahead`), so its step copies once:
+    greedy and seeded sampled rows (without penalties: rows with them propose after the commit)."""
+    sampled = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.8, seed=3)
+    engine = _started(models, "eagle3", "compiled", [GREEDY, sampled], lookahead=True)
+    lookaheads = engine.lookahead_steps
+    counts = _step_copies(monkeypatch, engine, 6)
+    assert engine.lookahead_steps == lookaheads + 6
+    assert max(counts) <= 1, counts
 
 
 @pytest.mark.parametrize("params", [[SAMPLED], [GREEDY, SAMPLED, FILTERED]], ids=["1row", "3rows"])
