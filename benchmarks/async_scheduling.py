@@ -1,16 +1,19 @@
-"""Async scheduling against synchronous steps: plain decoding's step time, the two interleaved in one process.
+"""An engine setting off and on, the two interleaved in one process: async scheduling against synchronous steps
+(plain decoding), or lookahead proposals against proposals after the commit (speculative decoding).
 
     python benchmarks/async_scheduling.py [--device cuda] [--dtype bfloat16] [--models demo-llama demo-deepseek]
         [--batch 1 8] [--graph-mode compiled] [--rounds 5] [--steps 64] [--schema [--max-tokens 96]]
+        [--setting async_scheduling|lookahead]
 
-For each demo target and batch size, two engines (``async_scheduling`` off and on) decode the same rows, which
-run through EOS (``ignore_eos``), in alternating rounds of ``--steps`` steps after a warm-up of 16 (with ``--schema``:
-each row under its example's JSON schema, every round from prefill to the rows' ends, ``--max-tokens`` at most),
-after an untimed round each: per engine
-``step_ms`` (the median round and the range), ``tokens_per_s`` of the median round and, with async scheduling,
-``read_wait_ms``, the host's wait per step for the in-flight step's tokens (near the step's time: the device bounds
-the step; near 0: the host does). ``async_over_sync`` is the ratio of the medians' tokens/s, and ``exact`` whether
-both engines emitted the same tokens in every round (greedy rows). One JSON object on the last line of stdout.
+For each demo target and batch size, two engines (``--setting`` off and on: ``async_scheduling`` on the target
+alone, ``lookahead`` on the target with its draft, demo-llama + EAGLE-3 and demo-deepseek + MTP) decode the same
+rows, which run through EOS (``ignore_eos``), in alternating rounds of ``--steps`` steps after a warm-up of 16 (with
+``--schema``: each row under its example's JSON schema, every round from prefill to the rows' ends, ``--max-tokens``
+at most), after an untimed round each: per engine ``step_ms`` (the median round and the range), ``tokens_per_s`` of
+the median round and, with async scheduling, ``read_wait_ms``, the host's wait per step for the in-flight step's
+tokens (near the step's time: the device bounds the step; near 0: the host does). ``async_over_sync`` (or
+``lookahead_over_commit``) is the ratio of the medians' tokens/s, and ``exact`` whether both engines emitted the
+same tokens in every round (greedy rows). One JSON object on the last line of stdout.
 """
 
 from __future__ import annotations
@@ -110,8 +113,15 @@ def schema_round(engine, prompts: list[list[int]], params: list[SamplingParams])
     }
 
 
-def compare(engines: dict[bool, LLM], play: Callable[[object], dict], rounds: int) -> dict:
-    """Alternating rounds of the synchronous and the async engine (each round's first alternates too), after an
+PAIRS = {"demo-llama": "eagle3", "demo-deepseek": "mtp"}  # --setting lookahead: each target's draft
+NAMES = {  # per setting: its engines' names, off and on, and their ratio's
+    "async_scheduling": ("sync", "async", "async_over_sync"),
+    "lookahead": ("after_commit", "lookahead", "lookahead_over_commit"),
+}
+
+
+def compare(engines: dict[bool, LLM], play: Callable[[object], dict], rounds: int, setting: str) -> dict:
+    """Alternating rounds of the engine with ``setting`` off and on (each round's first alternates too), after an
     untimed one each (grammars compile, graphs build): ``play(engine)`` runs a round."""
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for overlap in (False, True):
@@ -119,8 +129,8 @@ def compare(engines: dict[bool, LLM], play: Callable[[object], dict], rounds: in
     for r in range(rounds):
         for overlap in (False, True) if r % 2 == 0 else (True, False):
             runs[overlap].append(play(engines[overlap].engine))
-    row = {}
-    for overlap, name in ((False, "sync"), (True, "async")):
+    row, (off, on, ratio) = {}, NAMES[setting]
+    for overlap, name in ((False, off), (True, on)):
         median = sorted(runs[overlap], key=lambda run: run["step_ms"])[len(runs[overlap]) // 2]
         row[name] = {
             "step_ms": round(median["step_ms"], 3),
@@ -130,9 +140,9 @@ def compare(engines: dict[bool, LLM], play: Callable[[object], dict], rounds: in
             ],  # fmt: skip
             "tokens_per_s": round(median["tokens"] / median["seconds"], 1),
         }
-        if overlap:
+        if overlap and setting == "async_scheduling":
             row[name]["read_wait_ms"] = round(statistics.median(run["read_wait_ms"] for run in runs[overlap]), 3)
-    row["async_over_sync"] = round(row["async"]["tokens_per_s"] / row["sync"]["tokens_per_s"], 3)
+    row[ratio] = round(row[on]["tokens_per_s"] / row[off]["tokens_per_s"], 3)
     # The async engine's rounds reach the host a step later: compare what both emitted in common.
     row["exact"] = all(
         a[: len(b)] == b[: len(a)]
@@ -155,14 +165,18 @@ def main(argv: list[str] | None = None) -> int:
         "--schema", action="store_true", help="each request under its example's JSON schema, run to its end"
     )
     parser.add_argument("--max-tokens", type=int, default=96, help="with --schema: each request's max_tokens")
+    parser.add_argument("--setting", choices=sorted(NAMES), default="async_scheduling", help="what the engines toggle")
     args = parser.parse_args(argv)
-    report = {"benchmark": "async_scheduling", "device": args.device, "dtype": args.dtype, "cases": []}
+    report = {"benchmark": args.setting, "device": args.device, "dtype": args.dtype, "cases": []}
     if args.device.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name(args.device)
     examples = generate_examples(max(args.batch), seed=1, split="heldout")
     for model in args.models:
         settings = dict(device=args.device, dtype=DTYPES[args.dtype], max_num_seqs=max(args.batch))
-        engines = {o: LLM(model, graph_mode=args.graph_mode, async_scheduling=o, **settings) for o in (False, True)}
+        draft = PAIRS[model] if args.setting == "lookahead" else None
+        engines = {
+            o: LLM(model, draft, graph_mode=args.graph_mode, **{args.setting: o}, **settings) for o in (False, True)
+        }
         prompts = [chat_prompt_ids(engines[False].tokenizer, e.messages, e.tools) for e in examples]
         params = [
             SamplingParams(max_tokens=args.max_tokens, json_schema=TASK_FAMILIES[e.family].schema) for e in examples
@@ -172,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 play = functools.partial(schema_round, prompts=prompts[:batch], params=params[:batch])
             else:
                 play = functools.partial(round_of, prompts=prompts[:batch], steps=args.steps)
-            row = {"model": model, "batch": batch, "schema": args.schema, **compare(engines, play, args.rounds)}
+            row = {"model": model, "batch": batch, "schema": args.schema}
+            row |= compare(engines, play, args.rounds, args.setting)
             report["cases"].append(row)
             print(json.dumps(row), flush=True)
         for llm in engines.values():

@@ -7,13 +7,14 @@
 # graph mode's step times on both demo targets, plain with async scheduling too, speculative with and without
 # lookahead proposals (benchmarks/graph_steps.py; eager
 # steps are bound by the host, 10-20x their device time in s39's run), plain decoding with and without async
-# scheduling interleaved in one process, free and under JSON schemas (benchmarks/async_scheduling.py), what adaptive
+# scheduling interleaved in one process, free and under JSON schemas, and speculative decoding with and without
+# lookahead proposals the same way (benchmarks/async_scheduling.py), what adaptive
 # speculation chooses (benchmarks/adaptive.py), and speculative vs plain decoding on the demo prompts in graph mode
 # (`tandem bench`); all parts by default. Each part has its own time limit, so one that hangs leaves the others their time; each
 # writes its log to $OUT (default ./gpu-out) and prints its exit status and last lines.
 #
 #   bash benchmarks/gpu.sh [part ...]  # parts: tests large_target paged_attention paged_latent graph_steps async
-#                                      #        async_schema adaptive bench
+#                                      #        async_schema lookahead adaptive bench
 set -u
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -32,7 +33,7 @@ part() {  # part NAME SECONDS COMMAND...: run COMMAND under a time limit, its ou
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"
-parts=${*:-tests large_target paged_attention paged_latent graph_steps async async_schema adaptive bench}
+parts=${*:-tests large_target paged_attention paged_latent graph_steps async async_schema lookahead adaptive bench}
 for name in $parts; do
     case $name in
     tests) part tests 210 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine/test_graphs.py \
@@ -45,6 +46,7 @@ for name in $parts; do
         --drafts eagle3 mtp --k 4 --batch 1 --prompts 4 --max-tokens 64 --repeats 2 --json --progress on ;;
     async) part async 90 python3 benchmarks/async_scheduling.py ;;
     async_schema) part async_schema 120 python3 benchmarks/async_scheduling.py --schema ;;
+    lookahead) part lookahead 120 python3 benchmarks/async_scheduling.py --setting lookahead ;;
     paged_attention) part paged_attention 70 python3 benchmarks/paged_attention.py ;;
     paged_latent) part paged_latent 100 python3 benchmarks/paged_attention.py --mla --heads 128 --head-dim 576 \
         --value-dim 512 --contexts 4096 16384 --prefill 0 --mla-tiles padded 64x32x8 ;;

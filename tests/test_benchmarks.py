@@ -106,9 +106,11 @@ def test_graph_steps_times_rows_that_run_through_eos_and_leaves_the_engine_empty
     assert not llm.engine.has_unfinished()
     rates = [("plain", "eager", 10), ("plain", "compiled", 20), ("eagle3", "eager", 25), ("eagle3", "compiled", 60)]
     cases = [{"model": "m", "draft": d, "graph_mode": g, "batch": 1, "tokens_per_s": r} for d, g, r in rates]
-    cases.append({"model": "m", "draft": "plain-async", "graph_mode": "compiled", "batch": 1, "tokens_per_s": 30})
+    for draft, rate in (("plain-async", 30), ("eagle3-after-commit", 48)):
+        cases.append({"model": "m", "draft": draft, "graph_mode": "compiled", "batch": 1, "tokens_per_s": rate})
     ratios = {(r.get("draft"), r.get("graph_mode")): r for r in graph_steps._ratios(cases)}
     assert ratios[None, "compiled"]["async_over_sync"] == 1.5
+    assert ratios["eagle3-after-commit", "compiled"]["lookahead_over_commit"] == 1.25
     assert ratios["eagle3", "eager"]["speculative_over_plain"] == 2.5
     assert ratios["eagle3", "compiled"]["speculative_over_plain"] == 3.0
     assert ratios["eagle3", None]["compiled_over_eager"] == 2.4 and ratios["plain", None]["compiled_over_eager"] == 2.0
@@ -126,6 +128,22 @@ def test_the_async_scheduling_benchmark_interleaves_both_engines_over_the_same_t
     (case,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cases"]
     assert case["exact"] and case["schema"] == bool(schema) and case["async"]["read_wait_ms"] >= 0
     assert case["async_over_sync"] == round(case["async"]["tokens_per_s"] / case["sync"]["tokens_per_s"], 3)
+
+
+def test_the_lookahead_benchmark_interleaves_both_engines_over_the_same_tokens(monkeypatch, capsys):
+    """`--setting lookahead`: the target with its draft, lookahead proposals off and on (graph mode; dynamo's eager
+    backend keeps the compiles short)."""
+    import json
+
+    monkeypatch.setenv("TANDEM_COMPILE_BACKEND", "eager")
+    benchmark = _script("async_scheduling")
+    argv = "--device cpu --dtype float32 --models demo-llama --batch 2 --rounds 2 --steps 4 --setting lookahead"
+    assert benchmark.main(argv.split()) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (case,) = report["cases"]
+    assert report["benchmark"] == "lookahead" and case["exact"] and "read_wait_ms" not in case["lookahead"]
+    ratio = case["lookahead"]["tokens_per_s"] / case["after_commit"]["tokens_per_s"]
+    assert case["lookahead_over_commit"] == round(ratio, 3)
 
 
 def test_the_adaptive_benchmark_reports_each_case_and_what_the_policy_chose(monkeypatch, capsys):
