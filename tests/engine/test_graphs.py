@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from tandem.decoding.params import SamplingParams
+from tandem.decoding.params import RelaxedAcceptance, SamplingParams
 from tandem.demo.corpus import TASK_FAMILIES, generate_examples
 from tandem.engine import engine as engine_module
 from tandem.engine.engine import Engine, EngineConfig
@@ -228,6 +228,19 @@ def test_a_lookahead_proposes_what_a_proposal_after_the_commit_does(models, name
         assert (engine.lookahead_steps > 0) == lookahead
     assert stats[True] == stats[False]
     assert sum(accepted for _, _, accepted in stats[True]) > 0
+
+
+def test_a_lookahead_under_relaxed_acceptance_proposes_what_a_proposal_after_the_commit_does(models):
+    """Inside `<think>` relaxed acceptance takes drafts the greedy rule would not (the acceptance decides on the
+    device, its emitted tokens feed the lookahead): the same steps, accepted drafts and tokens as after the commit."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS) for _ in EXAMPLES]
+    relaxed = RelaxedAcceptance(top_k=10, delta=0.6)
+    stats = {}
+    for lookahead in (True, False):
+        engine = _engine(models, "demo-llama", "eagle3", adaptive=False, relaxed=relaxed, lookahead=lookahead)
+        stats[lookahead] = _outcomes(engine, params)
+        assert (engine.lookahead_steps > 0) == lookahead
+    assert stats[True] == stats[False]
 
 
 def test_a_lookahead_over_rows_of_unequal_drafts_gives_plain_greedy_tokens(models, monkeypatch):
