@@ -182,9 +182,9 @@ def test_speculative_greedy_equals_plain_greedy_with_forced_drafts(llms, pair, m
     reached, rejected, beyond = 0, 0, 0
     real_accept = engine._accept
 
-    def spy(rows, scores, drafts, bitmask, in_thinking, settings, greedy=None):
+    def spy(rows, scores, drafts, bitmask, in_thinking, settings, greedy=None, ahead=None):
         nonlocal reached, rejected, beyond
-        result = real_accept(rows, scores, drafts, bitmask, in_thinking, settings, greedy)
+        result = real_accept(rows, scores, drafts, bitmask, in_thinking, settings, greedy, ahead)
         for b, (r, n) in enumerate(zip(rows, result.num_accepted.tolist())):
             beyond += len(r.drafts) > K
             for j, certain in enumerate(r.draft_forced):
