@@ -67,6 +67,7 @@ from tandem.models.loading import TARGET_MODULES
 from tandem.models.parallel import Shard
 
 LAUNCH_STORE_TIMEOUT = datetime.timedelta(minutes=10)  # a rank waits for another's key this long (an engine's build)
+SPAWN_TIMEOUT_S = 120.0  # spawned ranks wait at least this long for each other to join (`_spawn_store`)
 
 
 class WorkerError(RuntimeError):
@@ -341,11 +342,11 @@ class _Ranks:
         else:
             context = mp.get_context("spawn")
             errors = context.SimpleQueue()
-            address = f"tcp://127.0.0.1:{_free_port()}"
+            port = _free_port()
             processes = [
                 context.Process(
                     target=_spawned_worker,
-                    args=(rank, parallel, device, address, errors),
+                    args=(rank, parallel, device, port, errors),
                     name=f"tandem-rank{rank}",
                     daemon=True,
                 )
@@ -355,8 +356,9 @@ class _Ranks:
                 process.start()
             if device.type == "cuda" and device.index is not None:  # a replica's driver: NCCL's current device
                 torch.cuda.set_device(device)
+            store = _spawn_store(port, 0, parallel)
             dist.init_process_group(
-                _backend(device), init_method=address, rank=0, world_size=parallel.world_size, timeout=parallel.timeout
+                _backend(device), store=store, rank=0, world_size=parallel.world_size, timeout=parallel.timeout
             )
         cls.running = cls(parallel, device, processes, errors)
         if launched():  # torchrun's ranks cannot be started again: they serve this process until it exits
@@ -542,13 +544,22 @@ class Workers:
 
 
 # -------------------------------------------------------------------- the worker side
-def _spawned_worker(rank, parallel, device, address, errors) -> None:
+def _spawn_store(port: int, rank: int, parallel: ParallelConfig) -> dist.TCPStore:
+    """The store a spawned engine's ranks meet at, on this host's ``port`` (rank 0 hosts it). Joining it waits at
+    least :data:`SPAWN_TIMEOUT_S`, whatever ``timeout_s`` bounds the collectives with: a spawned rank starts a Python
+    process and imports torch before it joins, which a busy machine may take longer than a collective's timeout."""
+    timeout = datetime.timedelta(seconds=max(parallel.timeout_s, SPAWN_TIMEOUT_S))
+    return dist.TCPStore("127.0.0.1", port, parallel.world_size, is_master=rank == 0, timeout=timeout)
+
+
+def _spawned_worker(rank, parallel, device, port, errors) -> None:
     """A spawned worker's process: join the group, then :func:`follow` until the driver stops it."""
     try:
         if device.type == "cuda":
             torch.cuda.set_device(rank_device(device, rank))
+        store = _spawn_store(port, rank, parallel)
         dist.init_process_group(
-            _backend(device), init_method=address, rank=rank, world_size=parallel.world_size, timeout=parallel.timeout
+            _backend(device), store=store, rank=rank, world_size=parallel.world_size, timeout=parallel.timeout
         )
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.world_size))
         follow(parallel, device)

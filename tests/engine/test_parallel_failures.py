@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -72,7 +73,8 @@ def test_a_replica_that_dies_ends_the_front_end_with_its_name():
 
 
 def test_a_worker_that_hangs_is_named_within_the_timeout():
-    """A stopped worker never answers: the next collective waits out `timeout_s` and the error names the rank."""
+    """A stopped worker never answers: the next collective waits out `timeout_s` and the error names the rank. (The
+    timeout is also every collective's before the stop: 10 s leaves a loaded machine's first steps room.)"""
     from transformers import AutoTokenizer
 
     from tandem.engine import Engine, EngineConfig
@@ -80,7 +82,7 @@ def test_a_worker_that_hangs_is_named_within_the_timeout():
     from tandem.models.loading import load_target, read_config
 
     path = resolve_model("demo-llama")
-    parallel = ParallelConfig(tensor_parallel_size=2, timeout_s=5)
+    parallel = ParallelConfig(tensor_parallel_size=2, timeout_s=10)
     workers = Workers.start(parallel, read_config(path), "cpu", path, torch.float32, narrow=False)
     worker = workers.processes[0]
     try:
@@ -98,6 +100,27 @@ def test_a_worker_that_hangs_is_named_within_the_timeout():
     finally:
         os.kill(worker.pid, signal.SIGKILL)
         workers.close()
+
+
+def test_spawned_ranks_wait_for_each_other_past_a_short_collective_timeout():
+    """A spawned rank starts a process and imports torch before it joins, which a busy machine may take longer than
+    `timeout_s`: joining the ranks' store waits `SPAWN_TIMEOUT_S` at least, so a rank two seconds late still joins
+    an engine whose collectives time out after half a second."""
+    from tandem.engine.workers import _free_port, _spawn_store
+
+    parallel = ParallelConfig(tensor_parallel_size=2, timeout_s=0.5)
+    port, joined = _free_port(), []
+
+    def late_rank():
+        time.sleep(2)
+        joined.append(_spawn_store(port, 1, parallel))
+
+    thread = threading.Thread(target=late_rank)
+    thread.start()
+    host = _spawn_store(port, 0, parallel)  # waits for rank 1
+    thread.join()
+    host.set("ready", "yes")
+    assert joined[0].get("ready") == b"yes"
 
 
 def test_a_torchrun_rank_that_hangs_is_named_within_the_timeout(tmp_path):
