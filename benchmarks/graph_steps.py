@@ -133,11 +133,11 @@ def main() -> None:
         report["gpu"] = torch.cuda.get_device_name(args.device)
     examples = generate_examples(max(args.batch), seed=1, split="heldout")
     for model in args.models:
-        draft = PAIRS[model]
+        speculative = PAIRS[model]
         paths = [("plain", None, False, None), *([("plain-async", None, True, None)] if args.async_scheduling else [])]
-        paths.append((draft, draft, False, None))
+        paths.append((speculative, speculative, False, None))
         if args.lookahead:
-            paths.append((f"{draft}-after-commit", draft, False, False))
+            paths.append((f"{speculative}-after-commit", speculative, False, False))
         for path, draft, overlap, lookahead in paths:
             for mode in args.graph_mode:
                 if lookahead is not None and mode == "eager":

@@ -816,11 +816,13 @@ class Engine:
         if self._adaptive():
             keep = self.policy.choose([r.request_id for r in live], [r.params.temperature > 0 for r in live])
         run_draft = ahead is None and not (keep is not None and not any(keep) and self._draft_skippable)
-        if not run_draft and ahead is None and self.draft.hidden_kind is not None:
-            defer_draft(live, rows, batch, self._draft_hidden(out))
+        drafted = run_draft or ahead is not None
         forcing = self.forced_drafts and self.step_masks.has_grammar(live)
-        if not run_draft and ahead is None and not forcing:
-            return  # no row drafts: the next step is the plain step
+        if not drafted:  # the draft skips this step
+            if self.draft.hidden_kind is not None:
+                defer_draft(live, rows, batch, self._draft_hidden(out))
+            if not forcing:
+                return  # no row drafts: the next step is the plain step
         budgets = [draft_budget(r, self.max_drafts, self.config.max_model_len) for r in live]
         limits = [min(budget, self.k if keep is None else keep[b]) for b, budget in enumerate(budgets)]
         follows = self._follows_grammar
@@ -851,7 +853,6 @@ class Engine:
         finally:
             if walk is not None:
                 walk.finish()
-        drafted = run_draft or ahead is not None
         self._choose_drafts(live, proposed, probs, limits, budgets, walk, forcing, passes if drafted else 0)
 
     def _draft_proposal(

@@ -185,7 +185,7 @@ class GraphRunner:
         dtype = target_cache.layers[0].dtype  # the target's: its hidden states fill the draft's input buffer
         self.hidden = torch.zeros(tokens, target.hidden_size, dtype=dtype, device=self.device) if chained else None
         # A lookahead chain's start: each row's index, in its first pass, of the output the chain goes on from.
-        self.chain_start = torch.zeros(self.buckets[-1], dtype=torch.int64, device=self.device)
+        self.chain_start = torch.zeros(self.buckets[-1], dtype=torch.int64, device=self.device) if chained else None
         self.graph_bytes = sum(
             t.numel() * t.element_size()
             for t in (self.input_ids, self.plan, self.hidden, self.chain_start)
