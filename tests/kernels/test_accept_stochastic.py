@@ -1,18 +1,25 @@
 """The kernel's lossless rule: the same distributions as the torch path, per-row seeds.
 
-Each scenario runs ~1,000 rows that share one step's distributions, one draw per row, and checks
+Each scenario builds ~1,000 rows that share one step's distributions, one draw per row, and checks
 them with the acceptance tests' own statistical helpers (tests/decoding/reference.py: each check
 falsely fails a correct implementation with probability ALPHA = 1e-4; the 7 checks here bound
-this file's false-alarm rate by 1e-3, and the fixed seeds make every run repeat). Row counts are
-small because the CPU interpreter runs each row slowly; 1,000-1,200 draws over 10 tokens still
-detect a wrong temperature or a skewed residual, and an acceptance rate off by more than ~0.06 (and the
-accepted counts must equal the torch path's exactly, see `_run`).
+this file's false-alarm rate by 1e-3, and the fixed seeds make every run repeat). 1,000-1,200 draws
+over 10 tokens detect a wrong temperature or a skewed residual, and an acceptance rate off by more
+than ~0.06.
+
+The CPU interpreter runs a kernel row in about a tenth of a second, so it runs every 12th row only
+(`KERNEL_ROWS`), and the statistics are drawn from the kernel's rule written out in torch (`_race`):
+the kernel must accept exactly the drafts the torch path accepts (both test draft j with the same
+uniform, STREAM_ACCEPT counter j) and emit, token for token, the race winner `_race` computes from the
+same seeds. The draws of the rows it runs are then the kernel's own, and the others the same function
+of their seeds.
 """
 
 import numpy as np
 import torch
 
 from tandem.core.bitmask import pack_bitmask
+from tandem.core.rng import STREAM_EMIT, uniform
 from tandem.decoding import AcceptanceResult, RelaxedAcceptance, SamplingTensors, accept
 from tests.decoding.reference import assert_distributed_as, assert_rate, reference_probs
 from tests.decoding.strategies import mixed_rows, random_allowed
@@ -21,30 +28,73 @@ from .cases import DEVICE, accept_triton, block_size
 
 ROWS = 1200
 VOCAB = 10
+KERNEL_ROWS = 12  # the interpreter runs one row in this many (module docstring)
+
+
+def _race(logits, drafts, stop, seeds, *, allowed=None, q=None, temperature=1.0, min_p=0.0) -> torch.Tensor:
+    """The token the kernel emits at each row's stop position (tandem/kernels/acceptance.py, `_race_kernel`).
+
+    logits [k+1, V], allowed [k+1, V] and q [k, V] are every row's; drafts [rows, k], stop [rows] (the accepted
+    drafts), seeds [rows]. The winner is the argmax of w_i / E_i over the support (the allowed tokens min-p
+    keeps), E_i ~ Exp(1) from the uniform (seed, STREAM_EMIT, i): w = p - q where the draft at the stop was a
+    real token and was rejected (one-hot q: p without that token), else p; p where w is nowhere positive. The
+    keys are float64 here and float32 in the kernel: their argmaxes differ only where two keys lie within
+    float32 rounding of each other."""
+    k, vocab = drafts.shape[1], logits.shape[-1]
+    x = logits.double()[stop]  # [rows, V]
+    if allowed is not None:
+        x = x.masked_fill(~allowed[stop], float("-inf"))
+    p = torch.softmax(x / temperature, dim=-1)
+    support = (p > 0) & (p >= min_p * p.max(dim=-1, keepdim=True).values)
+    p = torch.where(support, p, 0.0)
+    p = p / p.sum(dim=-1, keepdim=True)
+    bits = uniform(seeds, STREAM_EMIT, torch.arange(vocab)).double() * 2**24 - 1  # the kernel's 24 random bits
+    race = -torch.log1p(-(bits + 0.5) / 2**24)  # [rows, V]
+    at = stop.clamp(max=max(k - 1, 0))
+    draft = torch.where(stop < k, drafts.gather(1, at[:, None]).squeeze(1), -1) if k else torch.full_like(stop, -1)
+    rejected = (draft >= 0) & (draft < vocab)
+    if q is not None:
+        w = torch.where(rejected[:, None], p - q.double()[at], p)
+    else:
+        w = p.clone()
+        w[rejected, draft[rejected]] = 0.0
+    w_key = torch.where(support & (w > 0), w / race, float("-inf"))
+    p_key = torch.where(support, p / race, float("-inf"))
+    return torch.where(torch.isinf(w_key).all(dim=-1), p_key.argmax(dim=-1), w_key.argmax(dim=-1))
 
 
 def _run(logits, drafts, *, allowed=None, q=None, block=16, **settings) -> AcceptanceResult:
-    """The kernel on one step's [k+1, V] logits (and [k+1, V] allowed, [k, V] q) copied to
-    every row of `drafts` [rows, k], each row with its own seed; results on the CPU.
-
-    Also checks that the kernel accepted exactly the drafts the torch path accepts: both paths
-    test draft j with the same uniform (STREAM_ACCEPT, counter j).
-    """
+    """The kernel's result for one step's [k+1, V] logits (and [k+1, V] allowed, [k, V] q) copied to every row
+    of `drafts` [rows, k], each row with its own seed; on the CPU. The torch path's accepted drafts and `_race`'s
+    emitted tokens, after checking on every `KERNEL_ROWS`-th row that the kernel gives exactly those."""
     rows = drafts.shape[0]
     expand = lambda t: None if t is None else t.expand(rows, *t.shape).contiguous()  # noqa: E731
+    seeds = torch.arange(rows) * 7919 + 11
     inputs = dict(
         target_logits=expand(logits),
         draft_tokens=drafts,
         draft_probs=expand(q),
-        sampling=SamplingTensors.full(rows, seed=torch.arange(rows) * 7919 + 11, **settings),
+        sampling=SamplingTensors.full(rows, seed=seeds, **settings),
         bitmask=None if allowed is None else expand(pack_bitmask(allowed)),
     )
-    on_device = {name: None if value is None else value.to(DEVICE) for name, value in inputs.items()}
+    expected = accept(**inputs)
+    stop = expected.num_accepted
+    emitted = _race(logits, drafts, stop, seeds, allowed=allowed, q=q, **settings)
+    tokens = expected.tokens.clone()
+    tokens[torch.arange(rows), stop] = torch.where(expected.dead_end, -1, emitted)
+    expected = AcceptanceResult(stop, tokens, expected.dead_end)
+
+    run = torch.arange(0, rows, KERNEL_ROWS)
+    on_device = {
+        name: None if value is None else value.select(run) if name == "sampling" else value[run]
+        for name, value in inputs.items()
+    }
+    on_device = {name: None if value is None else value.to(DEVICE) for name, value in on_device.items()}
     with block_size(block):
         result = accept_triton(**on_device)
-    result = AcceptanceResult(*(getattr(result, f).cpu() for f in ("num_accepted", "tokens", "dead_end")))
-    assert torch.equal(result.num_accepted, accept(**inputs).num_accepted)
-    return result
+    for field in ("num_accepted", "tokens", "dead_end"):
+        assert torch.equal(getattr(result, field).cpu(), getattr(expected, field)[run]), field
+    return expected
 
 
 def test_one_hot_drafts_under_a_mask_and_temperature():
