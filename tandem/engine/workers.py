@@ -41,6 +41,7 @@ import itertools
 import os
 import pickle
 import socket
+import time
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -68,6 +69,7 @@ from tandem.models.parallel import Shard
 
 LAUNCH_STORE_TIMEOUT = datetime.timedelta(minutes=10)  # a rank waits for another's key this long (an engine's build)
 SPAWN_TIMEOUT_S = 120.0  # spawned ranks wait at least this long for each other to join (`_spawn_store`)
+JOIN_POLL_S = 0.05  # how often the driver looks for spawned ranks that joined or died (`_await_spawned`)
 
 
 class WorkerError(RuntimeError):
@@ -257,6 +259,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _reset_group_names() -> None:
+    """Name this process's next process groups as a fresh process names them, where no group is alive. torch names
+    its groups by a counter (their keys in the ranks' store follow the name) that `destroy_process_group` resets but
+    a failed `init_process_group` leaves a step ahead: the next ranks started from this process would otherwise wait
+    for each other under different keys until their timeout."""
+    distributed_c10d._world.group_count = 0
+
+
 def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -337,6 +347,8 @@ class _Ranks:
                 "torchrun's ranks were shut down after a failure and cannot be started again: rerun the job"
             )
         processes, errors = [], None
+        if not dist.is_initialized():
+            _reset_group_names()
         if launched():  # torchrun started every rank
             _join_launch(parallel, device)
         else:
@@ -357,6 +369,7 @@ class _Ranks:
             if device.type == "cuda" and device.index is not None:  # a replica's driver: NCCL's current device
                 torch.cuda.set_device(device)
             store = _spawn_store(port, 0, parallel)
+            _await_spawned(store, processes, errors, parallel)
             dist.init_process_group(
                 _backend(device), store=store, rank=0, world_size=parallel.world_size, timeout=parallel.timeout
             )
@@ -545,11 +558,48 @@ class Workers:
 
 # -------------------------------------------------------------------- the worker side
 def _spawn_store(port: int, rank: int, parallel: ParallelConfig) -> dist.TCPStore:
-    """The store a spawned engine's ranks meet at, on this host's ``port`` (rank 0 hosts it). Joining it waits at
-    least :data:`SPAWN_TIMEOUT_S`, whatever ``timeout_s`` bounds the collectives with: a spawned rank starts a Python
+    """The store a spawned engine's ranks meet at, on this host's ``port``: rank 0 hosts it and returns at once
+    (:func:`_await_spawned` waits for the others), a worker rank joins it and says so. Its waits last at least
+    :data:`SPAWN_TIMEOUT_S`, whatever ``timeout_s`` bounds the collectives with: a spawned rank starts a Python
     process and imports torch before it joins, which a busy machine may take longer than a collective's timeout."""
     timeout = datetime.timedelta(seconds=max(parallel.timeout_s, SPAWN_TIMEOUT_S))
-    return dist.TCPStore("127.0.0.1", port, parallel.world_size, is_master=rank == 0, timeout=timeout)
+    host = rank == 0
+    store = dist.TCPStore(
+        "127.0.0.1", port, parallel.world_size, is_master=host, wait_for_workers=False, timeout=timeout
+    )
+    if not host:
+        store.set(f"tandem/joined/{rank}", "1")
+    return store
+
+
+def _await_spawned(store: dist.Store, processes: list, errors, parallel: ParallelConfig) -> None:
+    """Wait until every spawned rank (``processes[r - 1]`` is rank r) has joined ``store``. A rank that exits first
+    (its traceback on the ``errors`` queue, where it could send one), or ranks still away after
+    :func:`_spawn_store`'s wait, stop them all and raise :class:`WorkerError` naming the ranks, instead of the group's
+    start waiting them out."""
+    timeout_s = max(parallel.timeout_s, SPAWN_TIMEOUT_S)
+    away = dict(enumerate(processes, 1))
+    deadline = time.monotonic() + timeout_s
+    while away:
+        for rank in [r for r in away if store.check([f"tandem/joined/{r}"])]:
+            del away[rank]
+        dead = {r: p.exitcode for r, p in away.items() if p.exitcode is not None}
+        late = away and time.monotonic() > deadline
+        if dead or late:
+            for process in processes:
+                process.kill()
+            traces = []
+            while not errors.empty():
+                rank, trace = errors.get()
+                traces.append(f"rank {rank} failed:\n{trace}")
+            if dead:
+                exits = ", ".join(f"rank {r} exited with code {code}" for r, code in dead.items())
+                raise WorkerError(f"{exits} before joining the engine's ranks" + "".join(f"; {t}" for t in traces))
+            raise WorkerError(
+                f"rank {', '.join(map(str, away))} did not join the engine's ranks within {timeout_s:g} s"
+            )
+        if away:
+            time.sleep(JOIN_POLL_S)
 
 
 def _spawned_worker(rank, parallel, device, port, errors) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import signal
 import threading
@@ -102,11 +103,20 @@ def test_a_worker_that_hangs_is_named_within_the_timeout():
         workers.close()
 
 
+class _StartingRank:
+    """What `_await_spawned` reads of a spawned rank's process: running (exit code None) until killed."""
+
+    exitcode = None
+
+    def kill(self) -> None:
+        self.exitcode = -9
+
+
 def test_spawned_ranks_wait_for_each_other_past_a_short_collective_timeout():
     """A spawned rank starts a process and imports torch before it joins, which a busy machine may take longer than
-    `timeout_s`: joining the ranks' store waits `SPAWN_TIMEOUT_S` at least, so a rank two seconds late still joins
-    an engine whose collectives time out after half a second."""
-    from tandem.engine.workers import _free_port, _spawn_store
+    `timeout_s`: the driver waits `SPAWN_TIMEOUT_S` at least for it, so a rank two seconds late still joins an engine
+    whose collectives time out after half a second."""
+    from tandem.engine.workers import _await_spawned, _free_port, _spawn_store
 
     parallel = ParallelConfig(tensor_parallel_size=2, timeout_s=0.5)
     port, joined = _free_port(), []
@@ -115,12 +125,75 @@ def test_spawned_ranks_wait_for_each_other_past_a_short_collective_timeout():
         time.sleep(2)
         joined.append(_spawn_store(port, 1, parallel))
 
+    host = _spawn_store(port, 0, parallel)
     thread = threading.Thread(target=late_rank)
     thread.start()
-    host = _spawn_store(port, 0, parallel)  # waits for rank 1
+    _await_spawned(host, [_StartingRank()], queue.SimpleQueue(), parallel)
     thread.join()
     host.set("ready", "yes")
     assert joined[0].get("ready") == b"yes"
+
+
+def test_a_rank_that_never_joins_is_named_when_the_wait_ends(monkeypatch):
+    from tandem.engine import workers
+
+    monkeypatch.setattr(workers, "SPAWN_TIMEOUT_S", 1.0)
+    parallel = ParallelConfig(tensor_parallel_size=2, timeout_s=0.5)
+    rank = _StartingRank()
+    with pytest.raises(WorkerError, match=r"rank 1 did not join the engine's ranks within 1 s"):
+        workers._await_spawned(
+            workers._spawn_store(workers._free_port(), 0, parallel), [rank], queue.SimpleQueue(), parallel
+        )
+    assert rank.exitcode == -9  # stopped
+
+
+def _worker_without_its_device(rank, parallel, device, port, errors):
+    """A spawned worker given a CUDA device on a machine without one: it fails before it joins."""
+    from tandem.engine.workers import _spawned_worker
+
+    _spawned_worker(rank, parallel, torch.device("cuda", 0), port, errors)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the worker's failure needs a machine without CUDA")
+def test_a_rank_that_fails_before_joining_ends_the_start_with_its_traceback(monkeypatch):
+    """The engine's start names the rank and its error as soon as the rank exits, instead of waiting
+    `SPAWN_TIMEOUT_S` for it to join; the process can then start ranks again."""
+    from tandem.engine import workers
+
+    monkeypatch.setattr(workers, "_spawned_worker", _worker_without_its_device)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"(?s)rank 1 exited with code 1 before joining.*rank 1 failed:.*set_device"):
+        build("demo-llama", tensor_parallel_size=2)
+    assert time.monotonic() - start < 60
+    monkeypatch.undo()
+    llm = build("demo-llama", tensor_parallel_size=2)
+    try:
+        (out,) = llm.generate(llm.chat_prompt([{"role": "user", "content": PROMPTS[0]}]), SamplingParams(max_tokens=4))
+        assert len(out.token_ids) == 4
+    finally:
+        llm.close()
+
+
+def test_ranks_start_after_a_failed_process_group_start_in_the_same_process():
+    """A failed `init_process_group` (here: a peer that never comes) leaves torch's group-name counter a step
+    ahead; the ranks an engine then spawns from this process must still meet it (their first group's keys named
+    as a fresh process names them), not wait out `timeout_s` and fail."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=1)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timeout)
+    with pytest.raises(dist.DistStoreError):
+        dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timeout)
+    assert not dist.is_initialized()
+    llm = build("demo-llama", tensor_parallel_size=2, parallel_timeout_s=20)
+    try:
+        prompt = llm.chat_prompt([{"role": "user", "content": PROMPTS[0]}])
+        (out,) = llm.generate(prompt, SamplingParams(max_tokens=4))
+        assert len(out.token_ids) == 4
+    finally:
+        llm.close()
 
 
 def test_a_torchrun_rank_that_hangs_is_named_within_the_timeout(tmp_path):
