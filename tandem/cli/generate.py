@@ -16,7 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prompt", nargs="?", default="Classify the sentiment of this review: I was delighted with the toaster."
     )
     add_model_arguments(parser)
-    parser.add_argument("--schema", type=Path, help="a JSON schema file the answer must follow")
+    parser.add_argument(
+        "--schema", help="a JSON schema the answer must follow: a file, or the schema itself (text starting with '{')"
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -70,8 +72,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_schema(path: Path) -> dict:
+def _read_schema(value: str) -> dict:
+    """The JSON schema ``--schema`` gives inline (text starting with ``{``) or names the file of."""
+    inline = value.lstrip().startswith("{")
+    where = "inline" if inline else value
     try:
-        return json.loads(path.read_text())
+        return json.loads(value if inline else Path(value).read_text())
+    except OSError as error:
+        raise ValueError(
+            f"--schema {value}: {error.strerror} (neither a readable file nor JSON starting with '{{')"
+        ) from error
     except json.JSONDecodeError as error:
-        raise ValueError(f"--schema {path}: not JSON ({error})") from error
+        raise ValueError(f"--schema {where}: not JSON ({error})") from error

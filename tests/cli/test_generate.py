@@ -63,6 +63,19 @@ def test_generate_rejects_a_schema_file_that_is_not_json(tmp_path, capsys):
     assert f"--schema {schema}: not JSON" in capsys.readouterr().err
 
 
+def test_generate_takes_a_schema_inline_and_names_a_missing_file(tmp_path, capsys):
+    from tandem.cli.generate import _read_schema
+
+    assert _read_schema(f"  {json.dumps(LABEL_SCHEMA)}") == LABEL_SCHEMA
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--schema", '{"type": "objec'])
+    assert exit_info.value.code == 2 and "--schema inline: not JSON" in capsys.readouterr().err
+    missing = tmp_path / "label.json"
+    with pytest.raises(SystemExit):
+        main(["generate", "--schema", str(missing)])
+    assert f"--schema {missing}: No such file or directory (neither a readable file" in capsys.readouterr().err
+
+
 def test_generate_with_async_scheduling_prints_the_synchronous_answer(tandem):
     """A plain model decoding with async scheduling answers as it does synchronously, greedy."""
     argv = ["generate", "--model", "demo-llama", "--draft", "none", "--graph-mode", "eager", "--max-tokens", MAX_TOKENS]
