@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -73,14 +74,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _read_schema(value: str) -> dict:
-    """The JSON schema ``--schema`` gives inline (text starting with ``{``) or names the file of."""
-    inline = value.lstrip().startswith("{")
-    where = "inline" if inline else value
+    """The JSON schema in the file ``--schema`` names, or given inline (text starting with ``{`` that names no file)."""
+    inline = not os.path.isfile(value) and value.lstrip().startswith("{")
     try:
-        return json.loads(value if inline else Path(value).read_text())
+        text = value if inline else Path(value).read_text()
     except OSError as error:
         raise ValueError(
-            f"--schema {value}: {error.strerror} (neither a readable file nor JSON starting with '{{')"
+            f"--schema {value}: {error.strerror} (nor a schema inline: text starting with '{{')"
         ) from error
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as error:
-        raise ValueError(f"--schema {where}: not JSON ({error})") from error
+        raise ValueError(f"--schema {'inline' if inline else value}: not JSON ({error})") from error

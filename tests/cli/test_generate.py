@@ -67,13 +67,15 @@ def test_generate_takes_a_schema_inline_and_names_a_missing_file(tmp_path, capsy
     from tandem.cli.generate import _read_schema
 
     assert _read_schema(f"  {json.dumps(LABEL_SCHEMA)}") == LABEL_SCHEMA
+    long = {**LABEL_SCHEMA, "description": "x" * 400}  # longer than a file name may be
+    assert _read_schema(json.dumps(long)) == long
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--schema", '{"type": "objec'])
     assert exit_info.value.code == 2 and "--schema inline: not JSON" in capsys.readouterr().err
     missing = tmp_path / "label.json"
     with pytest.raises(SystemExit):
         main(["generate", "--schema", str(missing)])
-    assert f"--schema {missing}: No such file or directory (neither a readable file" in capsys.readouterr().err
+    assert f"--schema {missing}: No such file or directory (nor a schema inline" in capsys.readouterr().err
 
 
 def test_generate_with_async_scheduling_prints_the_synchronous_answer(tandem):

@@ -119,7 +119,7 @@ def test_cli_generate_runs_the_demo_model_with_its_best_draft_and_a_schema(tmp_p
     [
         (["--schema", "{bad}"], "--schema {bad}: not JSON (Expecting property name"),
         (["--schema", "{typo}"], "json_schema at /properties/a/type: 'strin' is not valid"),
-        (["--schema", "missing.json"], "No such file or directory: 'missing.json'"),
+        (["--schema", "missing.json"], "--schema missing.json: No such file or directory"),
         (["--model", "nowhere"], "model 'nowhere': no config.json"),
         (["--draft", "medusa"], "draft 'medusa': not a kind"),
         (["-k", "0"], "num_speculative_tokens = 0 with a draft: a draft proposes at least 1 token"),
