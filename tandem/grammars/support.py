@@ -260,7 +260,7 @@ INEXACT_WHITESPACE: dict[str, frozenset[str]] = {"outlines": frozenset({"default
 # enforced it or failed loudly). Regenerate with
 #   tandem eval-schemas ../shared/data/json-schema-test-suite/draft2020-12 --measure-keywords \
 #       --backend NAME --timeout 30
-# (shipped tokenizer; xgrammar 0.2.8, llguidance 1.9.1, outlines-core 0.2.14; a label with a
+# (shipped tokenizer; xgrammar 0.2.9, llguidance 1.9.1, outlines-core 0.2.14; a label with a
 # timed-out schema counts as not honoured; tests/grammars/test_support.py re-measures a sample).
 # Labels absent here (never measured, e.g. draft-4 `items[]`, `dependencies`) are refused.
 HONOURED: dict[str, frozenset[str]] = {
@@ -352,19 +352,17 @@ HONOURED_COMBINATIONS: dict[str, frozenset[str]] = {
 
 # Labels where a backend rejects valid instances that the other backends accept: from
 # `--measure-keywords`' "narrowed" table (xgrammar less llguidance; both narrow `type`, `enum` and
-# `const`, e.g. 1.0 for an integer), and from MaskBench's valid instances: with compact whitespace
-# xgrammar takes one key or item in a free-form value (Github_easy---o1008, o33825, JME_45), reads
-# a `patternProperties` regex as anchored (o14471), and takes no escape in a string with a length
-# bound (o9871). Both
-# force the declared property order (o10094), so `properties:several` is listed for neither.
-# tests/grammars/test_support.py (test_narrowed...) re-measures them.
+# `const`, e.g. 1.0 for an integer), and from MaskBench's valid instances: xgrammar reads a
+# `patternProperties` regex as anchored (o14471) and takes no escape in a string with a length bound
+# (o9871). Both force the declared property order (o10094), so `properties:several` is listed for
+# neither. xgrammar 0.2.8 also took one key or item in a free-form value with compact whitespace
+# (Github_easy---o1008, o33825, JME_45: `any`) and narrowed nine untyped keywords more; 0.2.9 takes
+# them all. tests/grammars/test_support.py (test_narrowed...) re-measures them.
 NARROWED: dict[str, frozenset[str]] = {
     "xgrammar": frozenset({
-        "contains@untyped", "dependentRequired@untyped", "maxContains@untyped", "maxItems@untyped",
-        "maxProperties@untyped", "minItems@untyped", "minProperties@untyped", "propertyNames@untyped",
-        "required:undeclared@untyped", "unevaluatedItems@untyped", "unevaluatedProperties@untyped",
-        "uniqueItems@untyped", "any", "patternProperties", "patternProperties@untyped", "maxLength",
-        "maxLength@untyped", "minLength", "minLength@untyped",
+        "additionalProperties@untyped", "unevaluatedItems@untyped", "unevaluatedProperties@untyped",
+        "patternProperties", "patternProperties@untyped", "maxLength", "maxLength@untyped", "minLength",
+        "minLength@untyped",
     }),
 }  # fmt: skip
 
