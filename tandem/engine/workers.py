@@ -397,9 +397,7 @@ class _Ranks:
             process.join(timeout=1)
         processes = enumerate(self.processes, 1)
         failures = [f"rank {r} exited with code {p.exitcode}" for r, p in processes if not p.is_alive()]
-        while self.errors is not None and not self.errors.empty():
-            rank, trace = self.errors.get()
-            failures.append(f"rank {rank} failed:\n{trace}")
+        failures += _sent_tracebacks(self.errors)
         if not failures:
             failures = [
                 f"rank {r} stopped answering after {finished} of the {self.forwards} forwards sent ({error})"
@@ -557,12 +555,26 @@ class Workers:
 
 
 # -------------------------------------------------------------------- the worker side
+def _sent_tracebacks(errors) -> list[str]:
+    """``rank r failed:`` and its traceback, for each one spawned ranks put on the ``errors`` queue (None: none)."""
+    failures = []
+    while errors is not None and not errors.empty():
+        rank, trace = errors.get()
+        failures.append(f"rank {rank} failed:\n{trace}")
+    return failures
+
+
+def _spawn_wait_s(parallel: ParallelConfig) -> float:
+    """How long spawned ranks wait for each other to join (:func:`_spawn_store`)."""
+    return max(parallel.timeout_s, SPAWN_TIMEOUT_S)
+
+
 def _spawn_store(port: int, rank: int, parallel: ParallelConfig) -> dist.TCPStore:
     """The store a spawned engine's ranks meet at, on this host's ``port``: rank 0 hosts it and returns at once
     (:func:`_await_spawned` waits for the others), a worker rank joins it and says so. Its waits last at least
     :data:`SPAWN_TIMEOUT_S`, whatever ``timeout_s`` bounds the collectives with: a spawned rank starts a Python
     process and imports torch before it joins, which a busy machine may take longer than a collective's timeout."""
-    timeout = datetime.timedelta(seconds=max(parallel.timeout_s, SPAWN_TIMEOUT_S))
+    timeout = datetime.timedelta(seconds=_spawn_wait_s(parallel))
     host = rank == 0
     store = dist.TCPStore(
         "127.0.0.1", port, parallel.world_size, is_master=host, wait_for_workers=False, timeout=timeout
@@ -575,9 +587,9 @@ def _spawn_store(port: int, rank: int, parallel: ParallelConfig) -> dist.TCPStor
 def _await_spawned(store: dist.Store, processes: list, errors, parallel: ParallelConfig) -> None:
     """Wait until every spawned rank (``processes[r - 1]`` is rank r) has joined ``store``. A rank that exits first
     (its traceback on the ``errors`` queue, where it could send one), or ranks still away after
-    :func:`_spawn_store`'s wait, stop them all and raise :class:`WorkerError` naming the ranks, instead of the group's
+    :func:`_spawn_wait_s`, stop them all and raise :class:`WorkerError` naming the ranks, instead of the group's
     start waiting them out."""
-    timeout_s = max(parallel.timeout_s, SPAWN_TIMEOUT_S)
+    timeout_s = _spawn_wait_s(parallel)
     away = dict(enumerate(processes, 1))
     deadline = time.monotonic() + timeout_s
     while away:
@@ -588,13 +600,9 @@ def _await_spawned(store: dist.Store, processes: list, errors, parallel: Paralle
         if dead or late:
             for process in processes:
                 process.kill()
-            traces = []
-            while not errors.empty():
-                rank, trace = errors.get()
-                traces.append(f"rank {rank} failed:\n{trace}")
             if dead:
                 exits = ", ".join(f"rank {r} exited with code {code}" for r, code in dead.items())
-                raise WorkerError(f"{exits} before joining the engine's ranks" + "".join(f"; {t}" for t in traces))
+                raise WorkerError("; ".join([f"{exits} before joining the engine's ranks", *_sent_tracebacks(errors)]))
             raise WorkerError(
                 f"rank {', '.join(map(str, away))} did not join the engine's ranks within {timeout_s:g} s"
             )

@@ -147,6 +147,15 @@ def test_a_rank_that_never_joins_is_named_when_the_wait_ends(monkeypatch):
     assert rank.exitcode == -9  # stopped
 
 
+def _decodes(llm: LLM) -> None:
+    """The parallel `llm` decodes four tokens of a prompt; then it is closed."""
+    try:
+        (out,) = llm.generate(llm.chat_prompt([{"role": "user", "content": PROMPTS[0]}]), SamplingParams(max_tokens=4))
+        assert len(out.token_ids) == 4
+    finally:
+        llm.close()
+
+
 def _worker_without_its_device(rank, parallel, device, port, errors):
     """A spawned worker given a CUDA device on a machine without one: it fails before it joins."""
     from tandem.engine.workers import _spawned_worker
@@ -166,12 +175,7 @@ def test_a_rank_that_fails_before_joining_ends_the_start_with_its_traceback(monk
         build("demo-llama", tensor_parallel_size=2)
     assert time.monotonic() - start < 60
     monkeypatch.undo()
-    llm = build("demo-llama", tensor_parallel_size=2)
-    try:
-        (out,) = llm.generate(llm.chat_prompt([{"role": "user", "content": PROMPTS[0]}]), SamplingParams(max_tokens=4))
-        assert len(out.token_ids) == 4
-    finally:
-        llm.close()
+    _decodes(build("demo-llama", tensor_parallel_size=2))
 
 
 def test_ranks_start_after_a_failed_process_group_start_in_the_same_process():
@@ -187,13 +191,7 @@ def test_ranks_start_after_a_failed_process_group_start_in_the_same_process():
     with pytest.raises(dist.DistStoreError):
         dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timeout)
     assert not dist.is_initialized()
-    llm = build("demo-llama", tensor_parallel_size=2, parallel_timeout_s=20)
-    try:
-        prompt = llm.chat_prompt([{"role": "user", "content": PROMPTS[0]}])
-        (out,) = llm.generate(prompt, SamplingParams(max_tokens=4))
-        assert len(out.token_ids) == 4
-    finally:
-        llm.close()
+    _decodes(build("demo-llama", tensor_parallel_size=2, parallel_timeout_s=20))
 
 
 def test_a_torchrun_rank_that_hangs_is_named_within_the_timeout(tmp_path):

@@ -50,8 +50,8 @@ def _race(logits, drafts, stop, seeds, *, allowed=None, q=None, temperature=1.0,
     p = p / p.sum(dim=-1, keepdim=True)
     bits = uniform(seeds, STREAM_EMIT, torch.arange(vocab)).double() * 2**24 - 1  # the kernel's 24 random bits
     race = -torch.log1p(-(bits + 0.5) / 2**24)  # [rows, V]
-    at = stop.clamp(max=max(k - 1, 0))
-    draft = torch.where(stop < k, drafts.gather(1, at[:, None]).squeeze(1), -1) if k else torch.full_like(stop, -1)
+    at = stop.clamp(max=k - 1)  # the draft at the stop, if the row stopped before its last
+    draft = torch.where(stop < k, drafts.gather(1, at[:, None]).squeeze(1), -1)
     rejected = (draft >= 0) & (draft < vocab)
     if q is not None:
         w = torch.where(rejected[:, None], p - q.double()[at], p)
@@ -86,10 +86,9 @@ def _run(logits, drafts, *, allowed=None, q=None, block=16, **settings) -> Accep
 
     run = torch.arange(0, rows, KERNEL_ROWS)
     on_device = {
-        name: None if value is None else value.select(run) if name == "sampling" else value[run]
+        name: None if value is None else (value.select(run) if name == "sampling" else value[run]).to(DEVICE)
         for name, value in inputs.items()
     }
-    on_device = {name: None if value is None else value.to(DEVICE) for name, value in on_device.items()}
     with block_size(block):
         result = accept_triton(**on_device)
     for field in ("num_accepted", "tokens", "dead_end"):
